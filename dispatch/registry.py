@@ -1,0 +1,72 @@
+"""Backend registry: each backend states which ops, devices and shapes it serves, and why not otherwise.
+
+A backend never raises to say "I can't": :meth:`Backend.not_supported_reasons` returns sentences
+(xformers style), which the dispatcher shows when nothing can run and :func:`anymla.explain` shows always.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+OPS = ("sparse_prefill", "sparse_decode", "dense_decode")
+
+
+class Backend:
+    """Base class of a backend. Subclasses set the class attributes and implement one method per op.
+
+    Methods named after an op (``sparse_prefill``, ``sparse_decode``, ``dense_decode``) take the validated
+    problem record from :mod:`anymla.problems` and return the op's outputs:
+    ``(out, max_logits, lse)``, ``(out, lse [b, s_q, h_q])`` and ``(out, lse [b, h_q, s_q])`` respectively.
+    """
+
+    name: ClassVar[str]
+    ops: ClassVar[frozenset]
+    device_types: ClassVar[tuple]
+    #: external peers (FlashMLA, torch_npu) run only when asked for by name or measured faster by ``--tune``
+    auto_select: ClassVar[bool] = True
+
+    def unavailable_reasons(self, device: torch.device) -> list[str]:
+        """Why this backend cannot run on ``device`` at all (package, build, hardware); empty if it can."""
+        if device.type not in self.device_types:
+            return [f"runs on {', '.join(self.device_types)} devices, not on {device.type}"]
+        return []
+
+    def shape_reasons(self, problem) -> list[str]:
+        """Why this backend cannot run this problem's shapes, dtypes or flags; empty if it can."""
+        return []
+
+    def not_supported_reasons(self, problem) -> list[str]:
+        if problem.op not in self.ops:
+            return [f"does not implement {problem.op} (implements: {', '.join(sorted(self.ops))})"]
+        return self.unavailable_reasons(problem.device) or self.shape_reasons(problem)
+
+    def run(self, problem):
+        return getattr(self, problem.op)(problem)
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend) -> Backend:
+    """Add ``backend`` under ``backend.name`` (replacing a previous one of that name)."""
+    if not getattr(backend, "name", None) or not set(backend.ops) <= set(OPS):
+        raise ValueError(f"backend: needs a name and ops among {OPS}, got {backend!r}")
+    _REGISTRY[backend.name] = backend
+    return backend
+
+
+def unregister_backend(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"backend: unknown backend {name!r} (registered: {', '.join(_REGISTRY)})") from None
+
+
+def registered_backends() -> list[str]:
+    return list(_REGISTRY)

@@ -1,0 +1,194 @@
+"""Backend selection: overrides, priorities per device, measured (tuned) choices, and explanations.
+
+Precedence: the ``backend=`` keyword, then :func:`use_backend` (a context manager, contextvar-based), then
+the ``ANYMLA_BACKEND`` environment variable, then a tuned choice (``ANYMLA_TUNING`` file written by
+``python -m anymla.bench --tune``), then the automatic priority order of the device. An explicit choice
+that cannot run raises :class:`BackendNotSupported` with every reason; an automatic one falls back to the
+next backend. Decisions are cached per call signature (shapes, dtypes, devices, strides, flags) so the
+host cost of a repeated call is one dictionary lookup plus building the signature.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+
+from .registry import Backend, get_backend, registered_backends
+
+PRIORITY = {
+    "cuda": ("triton", "reference"),
+    "npu": ("ascendc", "triton", "reference"),
+    # Triton runs on the CPU only through its interpreter: correct but far slower than torch.
+    "cpu": ("reference", "triton"),
+}
+DEFAULT_PRIORITY = ("triton", "reference")
+ENV_BACKEND = "ANYMLA_BACKEND"
+ENV_TUNING = "ANYMLA_TUNING"
+_CACHE_LIMIT = 4096
+
+BackendChoice = Union[str, Sequence[str], None]
+
+
+class BackendNotSupported(RuntimeError):
+    """An explicitly requested backend (or every backend) cannot run a call; the message lists why."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The dispatcher's choice for one call signature, with the reason every other backend was not chosen."""
+
+    op: str
+    backend: str
+    source: str  # "keyword", "context", "env", "tuned" or "auto"
+    device: str
+    shape: str
+    rejected: tuple = ()  # ((backend name, (reason, ...)), ...)
+    impl: Backend = field(default=None, repr=False, compare=False)
+
+    def __str__(self) -> str:
+        lines = [f"{self.op} on {self.device}: {self.backend} (chosen by {self.source})", f"  shape: {self.shape}"]
+        lines += [f"  not {name}: {'; '.join(reasons)}" for name, reasons in self.rejected]
+        return "\n".join(lines)
+
+
+_CONTEXT: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("anymla_backend", default=None)
+_DECISIONS: dict = {}
+_TUNING: dict = {"path": None, "choices": {}}
+
+
+def _as_names(choice: BackendChoice, what: str) -> tuple:
+    names = tuple(n.strip() for n in choice.split(",")) if isinstance(choice, str) else tuple(choice)
+    names = tuple(n for n in names if n)
+    for n in names:
+        get_backend(n)  # unknown names raise ValueError at once
+    if not names:
+        raise ValueError(f"{what}: expected a backend name or a list of names, got {choice!r}")
+    return names
+
+
+@contextlib.contextmanager
+def use_backend(choice: BackendChoice):
+    """Run the calls inside the block on ``choice`` (a name, ``"a,b"`` or a list tried in order).
+
+    ``None`` restores automatic selection inside the block. The previous setting returns on exit.
+    """
+    token = _CONTEXT.set(None if choice is None else _as_names(choice, "use_backend"))
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+def _override(keyword: BackendChoice) -> tuple[Optional[tuple], str]:
+    if keyword is not None:
+        return _as_names(keyword, "backend"), "keyword"
+    ctx = _CONTEXT.get()
+    if ctx is not None:
+        return ctx, "context"
+    env = os.environ.get(ENV_BACKEND, "")
+    if env and env != "auto":
+        return _as_names(env, ENV_BACKEND), "env"
+    return None, "auto"
+
+
+def load_tuning(path: Optional[str]) -> None:
+    """Read measured best backends per shape (``python -m anymla.bench --tune`` writes them); None clears."""
+    choices = {}
+    if path:
+        with open(path) as f:
+            choices = json.load(f)["choices"]
+    _TUNING.update(path=path, choices=choices)
+    _DECISIONS.clear()
+
+
+def _tuned(problem) -> Optional[str]:
+    env = os.environ.get(ENV_TUNING)
+    if env and env != _TUNING["path"]:
+        load_tuning(env)
+    return _TUNING["choices"].get(tuning_key(problem))
+
+
+def tuning_key(problem) -> str:
+    return f"{problem.device.type}|{problem.shape_key()}"
+
+
+def _priority(device: torch.device) -> tuple:
+    order = PRIORITY.get(device.type, DEFAULT_PRIORITY)
+    rest = [n for n in registered_backends() if n not in order]
+    return tuple(n for n in order if n in registered_backends()) + tuple(rest)
+
+
+def _decide(problem, forced: Optional[tuple], source: str) -> Decision:
+    dev = str(problem.device)
+    reasons = {}
+    if forced is not None:
+        for name in forced:
+            reasons[name] = get_backend(name).not_supported_reasons(problem)
+            if not reasons[name]:
+                return _decision(problem, name, source, reasons)
+        detail = "\n".join(f"  - {n}: {'; '.join(r)}" for n, r in reasons.items())
+        raise BackendNotSupported(f"{problem.op}: the requested backend(s) {', '.join(forced)} (from {source}) "
+                                  f"cannot run this call on {dev} ({problem.shape_key()}):\n{detail}")
+    tuned = _tuned(problem)
+    order = ((tuned,) if tuned in registered_backends() else ()) + _priority(problem.device)
+    chosen = None
+    for name in order:
+        b = get_backend(name)
+        if name in reasons:
+            continue
+        r = b.not_supported_reasons(problem)
+        if not r and not b.auto_select and name != tuned:
+            r = ["an external peer: used only when asked for by name or measured faster (--tune)"]
+        if not r and chosen is None:
+            chosen = name
+        elif not r:
+            r = [f"supported, but {chosen} comes first on {problem.device.type}"]
+        reasons[name] = r
+    if chosen is None:
+        detail = "\n".join(f"  - {n}: {'; '.join(r)}" for n, r in reasons.items())
+        raise BackendNotSupported(f"{problem.op}: no backend can run this call on {dev} ({problem.shape_key()}):\n{detail}")
+    return _decision(problem, chosen, "tuned" if chosen == tuned else "auto", reasons)
+
+
+def _decision(problem, chosen: str, source: str, reasons: dict) -> Decision:
+    rejected = tuple((n, tuple(r)) for n, r in reasons.items() if n != chosen)
+    return Decision(problem.op, chosen, source, str(problem.device), problem.shape_key(), rejected, get_backend(chosen))
+
+
+def select(problem, backend: BackendChoice = None) -> Decision:
+    """The decision for ``problem`` (validated on first sight of its signature), cached per signature."""
+    forced, source = _override(backend)
+    key = (problem.signature(), forced, source)
+    decision = _DECISIONS.get(key)
+    if decision is None:
+        problem.validate()
+        decision = _decide(problem, forced, source)
+        if len(_DECISIONS) >= _CACHE_LIMIT:
+            _DECISIONS.clear()
+        _DECISIONS[key] = decision
+    return decision
+
+
+def clear_decision_cache() -> None:
+    _DECISIONS.clear()
+
+
+def available_backends(device: Union[str, torch.device, None] = None) -> list[str]:
+    """Backends that can run on ``device`` (default: the best device here: cuda, then npu, then cpu)."""
+    device = default_device() if device is None else torch.device(device)
+    return [n for n in registered_backends() if not get_backend(n).unavailable_reasons(device)]
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    npu = getattr(torch, "npu", None)
+    if npu is not None and npu.is_available():
+        return torch.device("npu")
+    return torch.device("cpu")

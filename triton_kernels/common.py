@@ -1,0 +1,238 @@
+"""Triton building blocks shared by the MLA kernels: latent-row loaders for every cache format, the
+skip-scale online-softmax step, and the epilogues (final outputs, or split partials for the combine).
+
+Conventions. A latent row is ``[0, 512)`` (two 256-wide halves, also the V rows) plus, for d_qk = 576, a
+64-wide rope tail. Logits live in the log2 domain (``sm_scale * log2(e)`` is folded into one multiplier);
+masked logits hold the finite sentinel ``NEG`` and masked probabilities are forced to 0, so a block whose
+keys are all invalid can never produce NaN. Rows that are invalid load as zeros (``other=0``), so NaN in
+memory the call must not read cannot reach a product.
+"""
+
+import triton
+import triton.language as tl
+
+# KV formats (the kernels' constexpr codes for anymla.kvcache.KVCacheFormat)
+FMT_BF16 = tl.constexpr(0)
+FMT_V32_FP8 = tl.constexpr(1)
+FMT_MODEL1_FP8 = tl.constexpr(2)
+FMT_V41_FP8 = tl.constexpr(3)
+FMT_V41_FP4 = tl.constexpr(4)
+
+NEG = tl.constexpr(-1.0e30)
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+# Skip-scale: rescale the accumulator only when the running max outgrows the max used for the
+# exponentials by more than 6 (natural, scaled logits), i.e. 6 * log2(e) in the log2 domain.
+RESCALE_THRESHOLD_LOG2 = tl.constexpr(6.0 * 1.4426950408889634)
+
+
+@triton.jit
+def e4m3_to_f32(b, NATIVE_FP8: tl.constexpr):
+    """uint8 e4m3fn codes -> fp32. Bit arithmetic where fp8 types are missing (interpreter, Ascend A2/A3)."""
+    if NATIVE_FP8:
+        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    x = b.to(tl.uint16)
+    # Same sign/exponent/mantissa bits placed as an fp16: exact up to a 2^8 bias correction, subnormals too.
+    h = ((x & 0x80) << 8) | ((x & 0x7F) << 7)
+    f = h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return tl.where((x & 0x7F) == 0x7F, float("nan"), f)
+
+
+@triton.jit
+def e2m1_to_f32(code):
+    """4-bit e2m1 codes (in a uint8) -> fp32, placed as fp16 bits with a 2^14 bias correction."""
+    c = code.to(tl.uint16)
+    h = ((c & 8) << 12) | ((c & 7) << 9)
+    return h.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def e8m0_to_f32(b):
+    return (b.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def load_latent_half(kv_ptr, row, srow, valid, half: tl.constexpr, FMT: tl.constexpr, DTYPE: tl.constexpr,
+                     NATIVE_FP8: tl.constexpr):
+    """Columns ``[256*half, 256*half + 256)`` of the latent rows whose data starts at ``row`` and whose
+    scales start at ``srow`` (element offsets for BF16, byte offsets otherwise; see ``row_offsets``)."""
+    c = tl.arange(0, 256)
+    m = valid[:, None]
+    col = half * 256 + c
+    if FMT == FMT_BF16:
+        return tl.load(kv_ptr + row[:, None] + col[None, :], mask=m, other=0.0)
+    if FMT == FMT_V32_FP8:
+        q = e4m3_to_f32(tl.load(kv_ptr + row[:, None] + col[None, :], mask=m, other=0), NATIVE_FP8)
+        s_ptr = (kv_ptr + srow).to(tl.pointer_type(tl.float32))
+        s = tl.load(s_ptr[:, None] + (col // 128)[None, :], mask=m, other=0.0)
+        return (q * s).to(DTYPE)
+    if FMT == FMT_V41_FP8:
+        q = e4m3_to_f32(tl.load(kv_ptr + row[:, None] + col[None, :], mask=m, other=0), NATIVE_FP8)
+        s = e8m0_to_f32(tl.load(kv_ptr + srow[:, None] + (col // 32)[None, :], mask=m, other=0))
+        return (q * s).to(DTYPE)
+    if FMT == FMT_V41_FP4:
+        byte = tl.load(kv_ptr + row[:, None] + (col // 2)[None, :], mask=m, other=0)
+        v = e2m1_to_f32((byte >> (4 * (col % 2)).to(tl.uint8)[None, :]) & 0xF)
+        s = e4m3_to_f32(tl.load(kv_ptr + srow[:, None] + (col // 16)[None, :], mask=m, other=0), NATIVE_FP8)
+        return (v * s).to(DTYPE)
+    # MODEL1: [0, 448) e4m3 with e8m0 scales per 64, then [448, 512) bf16 rope at byte 448 of the row.
+    is_fp8 = col < 448
+    q = e4m3_to_f32(tl.load(kv_ptr + row[:, None] + col[None, :], mask=m & is_fp8[None, :], other=0), NATIVE_FP8)
+    s = e8m0_to_f32(tl.load(kv_ptr + srow[:, None] + (col // 64)[None, :], mask=m & is_fp8[None, :], other=0))
+    rope_ptr = (kv_ptr + row + 448).to(tl.pointer_type(tl.bfloat16))
+    r = tl.load(rope_ptr[:, None] + (col - 448)[None, :], mask=m & (~is_fp8)[None, :], other=0.0)
+    return tl.where(is_fp8[None, :], q * s, r.to(tl.float32)).to(DTYPE)
+
+
+@triton.jit
+def load_latent_rope(kv_ptr, row, valid, FMT: tl.constexpr):
+    """The 64 rope columns ``[512, 576)`` of d_qk = 576 rows (BF16 or V32_FP8, both store them as bf16)."""
+    c = tl.arange(0, 64)
+    if FMT == FMT_BF16:
+        return tl.load(kv_ptr + row[:, None] + 512 + c[None, :], mask=valid[:, None], other=0.0)
+    rope_ptr = (kv_ptr + row + 528).to(tl.pointer_type(tl.bfloat16))
+    return tl.load(rope_ptr[:, None] + c[None, :], mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def row_offsets(slot, page, stride_block, stride_row, FMT: tl.constexpr):
+    """Offsets (elements for BF16, bytes otherwise; int64) of the data and the scales of paged slots
+    ``block * page + offset``, for any block stride. MODEL1 keeps a block's scales after all its data."""
+    blk = (slot // page).to(tl.int64)
+    off = (slot % page).to(tl.int64)
+    base = blk * stride_block
+    if FMT == FMT_MODEL1_FP8:
+        return base + off * 576, base + page * 576 + off * 8
+    row = base + off * stride_row
+    if FMT == FMT_V41_FP4:
+        return row, row + 256
+    return row, row + 512
+
+
+@triton.jit
+def _dot(a, b, acc, INTERPRET: tl.constexpr):
+    # The interpreter multiplies raw bf16 bit patterns in tl.dot; fp32 operands are exact there.
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def attend_block(q0, q1, qr, k0, k1, kr, mask, scale_log2, m_run, m_use, l, acc0, acc1,
+                 HAS_ROPE: tl.constexpr, SKIP_SCALE: tl.constexpr, INTERPRET: tl.constexpr):
+    """One key block of the skip-scale online softmax (FlashMLA's Ascend design, in the log2 domain).
+
+    ``m_run`` is the true running max, ``m_use`` the lagging max the exponentials use; the accumulator is
+    rescaled only when ``m_run - m_use`` exceeds the threshold in some row (block-uniform branch), so
+    ``p = 2^(s - m_use) <= 2^threshold``. ``mask [BH, BN]`` marks attendable (row, key) pairs.
+    """
+    s = _dot(q0, tl.trans(k0), tl.zeros((q0.shape[0], k0.shape[0]), tl.float32), INTERPRET)
+    s = _dot(q1, tl.trans(k1), s, INTERPRET)
+    if HAS_ROPE:
+        s = _dot(qr, tl.trans(kr), s, INTERPRET)
+    s = tl.where(mask, s * scale_log2, NEG)
+    m_new = tl.maximum(m_run, tl.max(s, 1))
+    if SKIP_SCALE:
+        if tl.max(m_new - m_use, 0) > RESCALE_THRESHOLD_LOG2:
+            alpha = tl.exp2(m_use - m_new)
+            acc0 = acc0 * alpha[:, None]
+            acc1 = acc1 * alpha[:, None]
+            l = l * alpha
+            m_use = m_new
+    else:
+        alpha = tl.exp2(m_use - m_new)
+        acc0 = acc0 * alpha[:, None]
+        acc1 = acc1 * alpha[:, None]
+        l = l * alpha
+        m_use = m_new
+    p = tl.where(mask, tl.exp2(s - m_use[:, None]), 0.0)
+    l += tl.sum(p, 1)
+    if INTERPRET:
+        acc0 = _dot(p, k0, acc0, INTERPRET)
+        acc1 = _dot(p, k1, acc1, INTERPRET)
+    else:
+        p = p.to(k0.dtype)
+        acc0 = tl.dot(p, k0, acc0)
+        acc1 = tl.dot(p, k1, acc1)
+    return m_new, m_use, l, acc0, acc1
+
+
+@triton.jit
+def store_result(out_ptr, out_row, lse_ptr, lse_row, max_ptr, max_row, row_mask, sink_ptr, head,
+                 m_run, m_use, l, acc0, acc1, HAS_SINK: tl.constexpr, WRITE_MAX: tl.constexpr):
+    """Normalize and store ``out`` (two 256 halves), natural-log ``lse`` and ``max_logits`` for rows
+    ``row_mask``; empty rows get out 0, lse +inf, max -inf. The sink factor is ``1 / (1 + e^(sink - lse))``."""
+    empty = l == 0.0
+    l_safe = tl.where(empty, 1.0, l)
+    lse2 = m_use + tl.log2(l_safe)
+    scale = 1.0 / l_safe
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + head, mask=row_mask, other=float("-inf"))
+        scale = scale / (1.0 + tl.exp2(sink * LOG2E - lse2))
+    scale = tl.where(empty, 0.0, scale)
+    c = tl.arange(0, 256)
+    m2 = row_mask[:, None]
+    ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + out_row[:, None] + c[None, :], (acc0 * scale[:, None]).to(ty), mask=m2)
+    tl.store(out_ptr + out_row[:, None] + 256 + c[None, :], (acc1 * scale[:, None]).to(ty), mask=m2)
+    tl.store(lse_ptr + lse_row, tl.where(empty, float("inf"), lse2 * LN2), mask=row_mask)
+    if WRITE_MAX:
+        tl.store(max_ptr + max_row, tl.where(empty, float("-inf"), m_run * LN2), mask=row_mask)
+
+
+@triton.jit
+def store_partial(po_ptr, po_row, plse_ptr, plse_row, row_mask, m_use, l, acc0, acc1):
+    """A split's normalized partial output (fp32) and its log2-domain lse (-inf when the split is empty)."""
+    empty = l == 0.0
+    l_safe = tl.where(empty, 1.0, l)
+    inv = tl.where(empty, 0.0, 1.0 / l_safe)
+    c = tl.arange(0, 256)
+    m2 = row_mask[:, None]
+    tl.store(po_ptr + po_row[:, None] + c[None, :], acc0 * inv[:, None], mask=m2)
+    tl.store(po_ptr + po_row[:, None] + 256 + c[None, :], acc1 * inv[:, None], mask=m2)
+    tl.store(plse_ptr + plse_row, tl.where(empty, float("-inf"), m_use + tl.log2(l_safe)), mask=row_mask)
+
+
+@triton.jit
+def combine_kernel(po_ptr, plse_ptr, out_ptr, lse_ptr, sink_ptr, num_splits, num_heads, tokens_per_batch,
+                   so_b, so_i, so_h, sl_b, sl_i, sl_h,
+                   HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """Merge split partials ``po [T, S, H, 512]`` / ``plse [T, S, H]`` (log2) into out and natural lse.
+
+    Grid ``(T, cdiv(H, BLOCK_H), 512 // BLOCK_D)``. Empty splits (lse -inf) get weight 0 and are never read;
+    a token whose splits are all empty gets out 0 and lse +inf. Output token t = (b, i) with
+    ``b = t // tokens_per_batch`` addresses ``out`` and ``lse`` through the given strides.
+    """
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    hm = h < num_heads
+    s = tl.arange(0, MAX_SPLITS)
+    sm = s < num_splits
+    t64 = t.to(tl.int64)
+    lse_s = tl.load(plse_ptr + (t64 * num_splits + s[:, None]) * num_heads + h[None, :],
+                    mask=sm[:, None] & hm[None, :], other=float("-inf"))  # [S, BH]
+    m = tl.max(lse_s, 0)
+    has = m > float("-inf")
+    m_safe = tl.where(has, m, 0.0)
+    w = tl.exp2(lse_s - m_safe[None, :])  # 0 for empty splits
+    total = tl.sum(w, 0)
+    lse2 = m_safe + tl.log2(tl.where(has, total, 1.0))
+    inv = tl.where(has, 1.0 / tl.where(has, total, 1.0), 0.0)
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + h, mask=hm, other=float("-inf"))
+        inv = inv / (1.0 + tl.exp2(sink * LOG2E - lse2))
+    acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+    for i in range(0, num_splits):
+        wi = tl.sum(tl.where(s[:, None] == i, w, 0.0), 0)
+        live = hm & (wi > 0.0)
+        o = tl.load(po_ptr + ((t64 * num_splits + i) * num_heads + h[:, None]) * 512 + d[None, :],
+                    mask=live[:, None], other=0.0)
+        acc += o * wi[:, None]
+    b = t // tokens_per_batch
+    qi = t % tokens_per_batch
+    o_off = b.to(tl.int64) * so_b + qi * so_i + h[:, None] * so_h + d[None, :]
+    tl.store(out_ptr + o_off, (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=hm[:, None])
+    if tl.program_id(2) == 0:
+        l_off = b.to(tl.int64) * sl_b + qi * sl_i + h * sl_h
+        tl.store(lse_ptr + l_off, tl.where(has, lse2 * LN2, float("inf")), mask=hm)

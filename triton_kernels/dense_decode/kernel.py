@@ -1,0 +1,80 @@
+"""MLA decoding over a paged bf16/fp16 latent cache, with split-KV.
+
+Program ``(request, kv head, row block)`` x ``split``. The query rows of one kv head are packed MQA-style:
+row ``r`` is query ``r // group`` and head ``kv_head * group + r % group``, so one latent tile loaded from
+the cache feeds every query and every head that shares it. Keys are request positions ``[0, cache_seqlen)``
+mapped through the block table (any page size); the causal mask is aligned to the end:
+query i sees positions ``<= seqlen - s_q + i``.
+"""
+
+import triton
+import triton.language as tl
+
+from ..common import FMT_BF16, NEG, attend_block, load_latent_half, load_latent_rope, store_partial, store_result
+
+
+@triton.jit
+def dense_decode_kernel(
+        q_ptr, sq_b, sq_i, sq_h,
+        kv_ptr, kv_sb, kv_sr, kv_sg, page, num_blocks,
+        bt_ptr, sbt_b, lens_ptr,
+        sink_ptr, out_ptr, so_b, so_i, so_h, lse_ptr, sl_b, sl_i, sl_h, po_ptr, plse_ptr,
+        s_q, num_heads, group, h_kv, rb_per_head, num_splits, scale_log2,
+        D_QK: tl.constexpr, CAUSAL: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SKIP_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
+        NUM_STAGES: tl.constexpr):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    per_request = h_kv * rb_per_head
+    b = (pid // per_request).to(tl.int64)
+    g = (pid % per_request) // rb_per_head
+    r = (pid % rb_per_head) * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_mask = r < s_q * group
+    qi = r // group
+    head = g * group + r % group
+
+    c = tl.arange(0, 256)
+    q_row = q_ptr + b * sq_b + qi[:, None] * sq_i + head[:, None] * sq_h
+    q0 = tl.load(q_row + c[None, :], mask=row_mask[:, None], other=0.0)
+    q1 = tl.load(q_row + 256 + c[None, :], mask=row_mask[:, None], other=0.0)
+    if D_QK == 576:
+        qr = tl.load(q_row + 512 + tl.arange(0, 64)[None, :], mask=row_mask[:, None], other=0.0)
+    else:
+        qr = q0
+
+    length = tl.load(lens_ptr + b)
+    n_blocks = tl.cdiv(length, BLOCK_N)
+    per_split = tl.cdiv(n_blocks, num_splits)
+    j0 = split * per_split
+    j1 = tl.minimum(j0 + per_split, n_blocks)
+    last_key = length - s_q + qi  # causal: the last position each row may see
+
+    m_run = tl.full((BLOCK_H,), NEG, tl.float32)
+    m_use = tl.full((BLOCK_H,), NEG, tl.float32)
+    l = tl.zeros((BLOCK_H,), tl.float32)
+    acc0 = tl.zeros((BLOCK_H, 256), tl.float32)
+    acc1 = tl.zeros((BLOCK_H, 256), tl.float32)
+    for j in tl.range(j0, j1, num_stages=NUM_STAGES):
+        pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = pos < length
+        blk = tl.load(bt_ptr + b * sbt_b + pos // page, mask=valid, other=0)
+        valid &= (blk >= 0) & (blk < num_blocks)  # a corrupt block table is skipped, never read
+        row = tl.where(valid, blk, 0).to(tl.int64) * kv_sb + (pos % page) * kv_sr + g * kv_sg
+        k0 = load_latent_half(kv_ptr, row, row, valid, 0, FMT_BF16, q0.dtype, False)
+        k1 = load_latent_half(kv_ptr, row, row, valid, 1, FMT_BF16, q0.dtype, False)
+        if D_QK == 576:
+            kr = load_latent_rope(kv_ptr, row, valid, FMT_BF16)
+        else:
+            kr = k0
+        mask = valid[None, :]
+        if CAUSAL:
+            mask = mask & (pos[None, :] <= last_key[:, None])
+        m_run, m_use, l, acc0, acc1 = attend_block(q0, q1, qr, k0, k1, kr, mask, scale_log2, m_run, m_use, l,
+                                                   acc0, acc1, D_QK == 576, SKIP_SCALE, INTERPRET)
+
+    if SPLIT:
+        prow = ((b * s_q + qi) * num_splits + split) * num_heads + head
+        store_partial(po_ptr, prow * 512, plse_ptr, prow, row_mask, m_use, l, acc0, acc1)
+    else:
+        store_result(out_ptr, b * so_b + qi * so_i + head * so_h, lse_ptr, b * sl_b + qi * sl_i + head * sl_h,
+                     lse_ptr, 0, row_mask, sink_ptr, head, m_run, m_use, l, acc0, acc1, HAS_SINK, False)

@@ -1,0 +1,54 @@
+"""Launcher of the dense MLA decode kernel (dense ``flash_mla_with_kvcache``)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from .. import runtime
+from ..splits import SplitPlan, choose_num_splits, combine, make_plan
+from ..tuning import dense_config
+from .kernel import dense_decode_kernel
+
+
+def _plan(p, rows_per_kv_head: int) -> SplitPlan:
+    b, s_q, h_q, d = p.q.shape
+    h_kv = p.k_cache.shape[2]
+    tile = dense_config(runtime.device_kind(p.device), rows_per_kv_head, d)
+    programs = b * h_kv * triton.cdiv(rows_per_kv_head, tile.block_h)
+    capacity = p.block_table.shape[1] * p.k_cache.shape[1]
+    splits = choose_num_splits(programs, triton.cdiv(capacity, tile.block_n), runtime.num_cores(p.device),
+                               p.batch_invariant)
+    return make_plan(tile, splits, b * s_q, h_q, p.device)
+
+
+def dense_decode(p) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense ``flash_mla_with_kvcache`` on the Triton tier (``p``: :class:`anymla.problems.DenseDecode`).
+
+    Returns out ``[b, s_q, h_q, 512]`` and lse ``[b, h_q, s_q]``."""
+    b, s_q, h_q, d = p.q.shape
+    h_kv = p.k_cache.shape[2]
+    rows = s_q * (h_q // h_kv)
+    plan = p.sched.plan_for("triton", lambda: _plan(p, rows)) if p.sched is not None else _plan(p, rows)
+    tile = plan.tile
+    out = torch.empty(b, s_q, h_q, p.d_v, dtype=p.q.dtype, device=p.device)
+    lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=p.device)
+    q, kv = p.q, p.k_cache
+    rb = triton.cdiv(rows, tile.block_h)
+    grid = (b * h_kv * rb, plan.num_splits)
+    dense_decode_kernel[grid](
+        q, q.stride(0), q.stride(1), q.stride(2),
+        kv, kv.stride(0), kv.stride(1), kv.stride(2), kv.shape[1], kv.shape[0],
+        p.block_table, p.block_table.stride(0), p.cache_seqlens,
+        p.attn_sink, out, out.stride(0), out.stride(1), out.stride(2), lse, lse.stride(0), lse.stride(2),
+        lse.stride(1), plan.partial_out, plan.partial_lse,
+        s_q, h_q, h_q // h_kv, h_kv, rb, plan.num_splits, p.sm_scale * math.log2(math.e),
+        D_QK=d, CAUSAL=p.causal and s_q > 1, HAS_SINK=p.attn_sink is not None, SPLIT=plan.num_splits > 1,
+        BLOCK_H=tile.block_h, BLOCK_N=tile.block_n, SKIP_SCALE=tile.skip_scale, INTERPRET=runtime.interpreting(),
+        NUM_STAGES=tile.num_stages, num_warps=tile.num_warps)
+    if plan.num_splits > 1:
+        combine(plan, out, lse, s_q, (out.stride(0), out.stride(1), out.stride(2)),
+                (lse.stride(0), lse.stride(2), lse.stride(1)), p.attn_sink)
+    return out, lse

@@ -1,0 +1,78 @@
+"""What the Triton tier needs to know about the device it launches on."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """True when Triton's interpreter is active. It is fixed when the kernels are decorated, which is
+    when this tier's kernel modules are first imported (TRITON_INTERPRET=1 must be set before that)."""
+    from .common import attend_block
+    return type(attend_block).__name__ == "InterpretedFunction"
+
+
+def unavailable_reasons(device: torch.device) -> list[str]:
+    """Why the Triton tier cannot run on ``device``; empty when it can."""
+    if not _triton_installed():
+        return ["the triton package is not installed (pip install 'anymla[triton]', or triton-ascend on Ascend)"]
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1" or not interpreting():
+            return ["Triton has no CPU code generator: set TRITON_INTERPRET=1 before importing anymla to run "
+                    "the kernels in Triton's interpreter (slow; meant for tests)"]
+        return []
+    if interpreting():
+        return [f"Triton's interpreter is active (TRITON_INTERPRET=1): it runs CPU tensors only, not {device.type}"]
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return ["torch sees no CUDA device"]
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            return [f"bf16 tensor-core dots need compute capability 8.0 or newer, this GPU is {major}.{minor}"]
+        return []
+    if device.type == "npu":
+        if importlib.util.find_spec("triton.backends.ascend") is None:
+            return ["Ascend NPUs need triton-ascend (found PyPI's triton, which has no Ascend backend)"]
+        return []
+    return [f"the Triton tier targets cuda, npu and (interpreted) cpu devices, not {device.type}"]
+
+
+@functools.lru_cache(maxsize=None)
+def device_kind(device: torch.device) -> str:
+    """``interpret``, ``cuda_sm90`` (Hopper), ``cuda`` (other NVIDIA) or ``npu``: keys of the tuning tables."""
+    if device.type == "cpu":
+        return "interpret"
+    if device.type == "npu":
+        return "npu"
+    major, _ = torch.cuda.get_device_capability(device)
+    return "cuda_sm90" if major == 9 else "cuda"
+
+
+# The interpreter pretends to be a 4-core device, so small test shapes exercise split-KV and the combine.
+_INTERPRETER_CORES = 4
+
+
+@functools.lru_cache(maxsize=None)
+def num_cores(device: torch.device) -> int:
+    """Streaming multiprocessors (CUDA) or AI cores (Ascend): how many programs run at once."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    if device.type == "npu":
+        import triton
+        props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+        return int(props["num_aicore"])
+    return _INTERPRETER_CORES
+
+
+@functools.lru_cache(maxsize=None)
+def native_fp8(device: torch.device) -> bool:
+    """Hardware e4m3 conversion (sm89+). Elsewhere the kernels decode fp8 bytes with bit arithmetic."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
