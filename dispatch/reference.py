@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from . import buffers
 from .kvcache import KVCacheFormat, gather_rows
 from .problems import DenseDecode, SparseDecode, SparsePrefill
 
@@ -65,9 +66,9 @@ def sparse_prefill(p: SparsePrefill) -> tuple[torch.Tensor, torch.Tensor, torch.
     s_kv, h_kv, _ = p.kv.shape
     group = h_q // h_kv
     topk = p.indices.shape[-1]
-    out = torch.empty(s_q, h_q, p.d_v, dtype=p.q.dtype, device=p.device)
-    lse = torch.empty(s_q, h_q, dtype=torch.float32, device=p.device)
-    max_logits = torch.empty_like(lse)
+    out = buffers.empty(s_q, h_q, p.d_v, dtype=p.q.dtype, device=p.device)
+    lse = buffers.empty(s_q, h_q, dtype=torch.float32, device=p.device)
+    max_logits = buffers.empty(*lse.shape, dtype=lse.dtype, device=lse.device)
     length = None if p.topk_length is None else p.topk_length[:, None]
     step = _token_chunk(topk, d)
     for t0 in range(0, s_q, step):
@@ -75,7 +76,7 @@ def sparse_prefill(p: SparsePrefill) -> tuple[torch.Tensor, torch.Tensor, torch.
         slots, valid = _masked_slots(p.indices[t], s_kv, None if length is None else length[t])
         for g in range(h_kv):
             heads = slice(g * group, (g + 1) * group)
-            keys = p.kv[:, g][slots[:, g]]
+            keys = p.kv[:, g][slots[:, g]] if s_kv else p.kv.new_zeros(*slots[:, g].shape, d)
             sink = None if p.attn_sink is None else p.attn_sink[heads]
             o, l, m = attend(p.q[t, heads], keys, valid[:, g], p.sm_scale, p.d_v, sink)
             out[t, heads], lse[t, heads], max_logits[t, heads] = o.to(out.dtype), l, m
@@ -101,8 +102,8 @@ def sparse_decode(p: SparseDecode) -> tuple[torch.Tensor, torch.Tensor]:
     if p.extra_k_cache is not None:
         parts.append((p.extra_k_cache, p.extra_fmt, flat(p.extra_indices), per_token(p.extra_topk_length)))
     topk = sum(part[2].shape[-1] for part in parts)
-    out = torch.empty(b * s_q, h_q, p.d_v, dtype=p.q.dtype, device=p.device)
-    lse = torch.empty(b * s_q, h_q, dtype=torch.float32, device=p.device)
+    out = buffers.empty(b * s_q, h_q, p.d_v, dtype=p.q.dtype, device=p.device)
+    lse = buffers.empty(b * s_q, h_q, dtype=torch.float32, device=p.device)
     step = _token_chunk(topk, d)
     for t0 in range(0, b * s_q, step):
         t = slice(t0, min(b * s_q, t0 + step))
@@ -122,8 +123,8 @@ def dense_decode(p: DenseDecode) -> tuple[torch.Tensor, torch.Tensor]:
     b, s_q, h_q, d = p.q.shape
     page, h_kv = p.k_cache.shape[1], p.k_cache.shape[2]
     group = h_q // h_kv
-    out = torch.empty(b, s_q, h_q, p.d_v, dtype=p.q.dtype, device=p.device)
-    lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=p.device)
+    out = buffers.empty(b, s_q, h_q, p.d_v, dtype=p.q.dtype, device=p.device)
+    lse = buffers.empty(b, h_q, s_q, dtype=torch.float32, device=p.device)
     for i, s_k in enumerate(p.cache_seqlens.tolist()):
         pos = torch.arange(s_k, device=p.device)
         blocks = p.block_table[i, pos // page].long()

@@ -17,7 +17,7 @@ import torch
 from .kvcache import KVCacheFormat, cache_slots, quantize
 
 __all__ = ["Tolerance", "TOLERANCES", "check_close", "compare_outputs", "prefill_inputs", "sparse_decode_inputs",
-           "dense_decode_inputs", "poison_"]
+           "dense_decode_inputs", "poison_", "non_contiguous", "device_under_test"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,12 @@ def compare_outputs(op: str, got: Sequence[torch.Tensor], expected: Sequence[tor
     tols = TOLERANCES["sparse_prefill_amplified" if amplified else op]
     for name, a, r in zip(OUTPUT_NAMES[op], got, expected):
         check_close(f"{op}.{name}", a, r, tols[name], scale)
+
+
+def device_under_test() -> torch.device:
+    """The accelerator the suite checks (cuda, then npu), else the CPU (Triton through its interpreter)."""
+    from .selection import default_device
+    return default_device()
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:
@@ -147,7 +153,7 @@ def prefill_inputs(s_q: int, h_q: int, d_qk: int, s_kv: int, topk: int, *, h_kv:
         counted = (idx >= 0) & (idx < s_kv)
         if length is not None:
             counted &= torch.arange(topk, device=device) < length[:, None, None]
-        heads = torch.arange(h_kv, device=device).expand_as(idx)
+        heads = torch.arange(h_kv, device=device)[None, :, None].expand_as(idx)
         used[idx[counted], heads[counted]] = True
         kv[~used] = float("nan")
     return dict(q=q, kv=kv.to(dtype), indices=idx.to(torch.int32), sm_scale=0.5,

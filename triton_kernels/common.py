@@ -29,13 +29,16 @@ RESCALE_THRESHOLD_LOG2 = tl.constexpr(6.0 * 1.4426950408889634)
 @triton.jit
 def e4m3_to_f32(b, NATIVE_FP8: tl.constexpr):
     """uint8 e4m3fn codes -> fp32. Bit arithmetic where fp8 types are missing (interpreter, Ascend A2/A3)."""
+    # (Triton compiles code after a constexpr-if `return`, so every helper here uses if/else chains.)
     if NATIVE_FP8:
-        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    x = b.to(tl.uint16)
-    # Same sign/exponent/mantissa bits placed as an fp16: exact up to a 2^8 bias correction, subnormals too.
-    h = ((x & 0x80) << 8) | ((x & 0x7F) << 7)
-    f = h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-    return tl.where((x & 0x7F) == 0x7F, float("nan"), f)
+        f = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        x = b.to(tl.uint16)
+        # Same sign/exponent/mantissa bits placed as an fp16: exact up to a 2^8 bias correction, subnormals too.
+        h = ((x & 0x80) << 8) | ((x & 0x7F) << 7)
+        f = h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+        f = tl.where((x & 0x7F) == 0x7F, float("nan"), f)
+    return f
 
 
 @triton.jit
@@ -52,6 +55,15 @@ def e8m0_to_f32(b):
 
 
 @triton.jit
+def _scaled(q, scales, TILE: tl.constexpr):
+    """``q [BN, 256] * scales [BN, 256 // TILE]`` broadcast over tiles of TILE columns (scales stay small:
+    a per-element scale gather would be staged through shared memory as a [BN, 256] tile)."""
+    bn: tl.constexpr = q.shape[0]
+    per_row: tl.constexpr = 256 // TILE
+    return tl.reshape(tl.reshape(q, (bn, per_row, TILE)) * scales[:, :, None], (bn, 256))
+
+
+@triton.jit
 def load_latent_half(kv_ptr, row, srow, valid, half: tl.constexpr, FMT: tl.constexpr, DTYPE: tl.constexpr,
                      NATIVE_FP8: tl.constexpr):
     """Columns ``[256*half, 256*half + 256)`` of the latent rows whose data starts at ``row`` and whose
@@ -60,28 +72,33 @@ def load_latent_half(kv_ptr, row, srow, valid, half: tl.constexpr, FMT: tl.const
     m = valid[:, None]
     col = half * 256 + c
     if FMT == FMT_BF16:
-        return tl.load(kv_ptr + row[:, None] + col[None, :], mask=m, other=0.0)
-    if FMT == FMT_V32_FP8:
+        k = tl.load(kv_ptr + row[:, None] + col[None, :], mask=m, other=0.0)
+    elif FMT == FMT_V32_FP8:
         q = e4m3_to_f32(tl.load(kv_ptr + row[:, None] + col[None, :], mask=m, other=0), NATIVE_FP8)
-        s_ptr = (kv_ptr + srow).to(tl.pointer_type(tl.float32))
-        s = tl.load(s_ptr[:, None] + (col // 128)[None, :], mask=m, other=0.0)
-        return (q * s).to(DTYPE)
-    if FMT == FMT_V41_FP8:
+        s_ptr = (kv_ptr + srow).to(tl.pointer_type(tl.float32)) + 2 * half
+        s = tl.load(s_ptr[:, None] + tl.arange(0, 2)[None, :], mask=m, other=0.0)
+        k = _scaled(q, s, 128).to(DTYPE)
+    elif FMT == FMT_V41_FP8:
         q = e4m3_to_f32(tl.load(kv_ptr + row[:, None] + col[None, :], mask=m, other=0), NATIVE_FP8)
-        s = e8m0_to_f32(tl.load(kv_ptr + srow[:, None] + (col // 32)[None, :], mask=m, other=0))
-        return (q * s).to(DTYPE)
-    if FMT == FMT_V41_FP4:
-        byte = tl.load(kv_ptr + row[:, None] + (col // 2)[None, :], mask=m, other=0)
-        v = e2m1_to_f32((byte >> (4 * (col % 2)).to(tl.uint8)[None, :]) & 0xF)
-        s = e4m3_to_f32(tl.load(kv_ptr + srow[:, None] + (col // 16)[None, :], mask=m, other=0), NATIVE_FP8)
-        return (v * s).to(DTYPE)
-    # MODEL1: [0, 448) e4m3 with e8m0 scales per 64, then [448, 512) bf16 rope at byte 448 of the row.
-    is_fp8 = col < 448
-    q = e4m3_to_f32(tl.load(kv_ptr + row[:, None] + col[None, :], mask=m & is_fp8[None, :], other=0), NATIVE_FP8)
-    s = e8m0_to_f32(tl.load(kv_ptr + srow[:, None] + (col // 64)[None, :], mask=m & is_fp8[None, :], other=0))
-    rope_ptr = (kv_ptr + row + 448).to(tl.pointer_type(tl.bfloat16))
-    r = tl.load(rope_ptr[:, None] + (col - 448)[None, :], mask=m & (~is_fp8)[None, :], other=0.0)
-    return tl.where(is_fp8[None, :], q * s, r.to(tl.float32)).to(DTYPE)
+        s = e8m0_to_f32(tl.load(kv_ptr + srow[:, None] + 8 * half + tl.arange(0, 8)[None, :], mask=m, other=0))
+        k = _scaled(q, s, 32).to(DTYPE)
+    elif FMT == FMT_V41_FP4:
+        byte = tl.load(kv_ptr + row[:, None] + 128 * half + tl.arange(0, 128)[None, :], mask=m, other=0)
+        # element 2i sits in the low nibble of byte i, element 2i + 1 in the high nibble
+        v = tl.reshape(tl.join(e2m1_to_f32(byte & 0xF), e2m1_to_f32(byte >> 4)), (byte.shape[0], 256))
+        s = e4m3_to_f32(tl.load(kv_ptr + srow[:, None] + 16 * half + tl.arange(0, 16)[None, :], mask=m, other=0),
+                        NATIVE_FP8)
+        k = _scaled(v, s, 16).to(DTYPE)
+    else:
+        # MODEL1: [0, 448) e4m3 with e8m0 scales per 64 (7 per row), then [448, 512) bf16 rope at byte 448.
+        is_fp8 = col < 448
+        q = e4m3_to_f32(tl.load(kv_ptr + row[:, None] + col[None, :], mask=m & is_fp8[None, :], other=0), NATIVE_FP8)
+        t = 4 * half + tl.arange(0, 4)
+        s = e8m0_to_f32(tl.load(kv_ptr + srow[:, None] + t[None, :], mask=m & (t < 7)[None, :], other=0))
+        rope_ptr = (kv_ptr + row + 448).to(tl.pointer_type(tl.bfloat16))
+        r = tl.load(rope_ptr[:, None] + (col - 448)[None, :], mask=m & (~is_fp8)[None, :], other=0.0)
+        k = tl.where(is_fp8[None, :], _scaled(q, s, 64), r.to(tl.float32)).to(DTYPE)
+    return k
 
 
 @triton.jit
@@ -89,9 +106,11 @@ def load_latent_rope(kv_ptr, row, valid, FMT: tl.constexpr):
     """The 64 rope columns ``[512, 576)`` of d_qk = 576 rows (BF16 or V32_FP8, both store them as bf16)."""
     c = tl.arange(0, 64)
     if FMT == FMT_BF16:
-        return tl.load(kv_ptr + row[:, None] + 512 + c[None, :], mask=valid[:, None], other=0.0)
-    rope_ptr = (kv_ptr + row + 528).to(tl.pointer_type(tl.bfloat16))
-    return tl.load(rope_ptr[:, None] + c[None, :], mask=valid[:, None], other=0.0)
+        r = tl.load(kv_ptr + row[:, None] + 512 + c[None, :], mask=valid[:, None], other=0.0)
+    else:
+        rope_ptr = (kv_ptr + row + 528).to(tl.pointer_type(tl.bfloat16))
+        r = tl.load(rope_ptr[:, None] + c[None, :], mask=valid[:, None], other=0.0)
+    return r
 
 
 @triton.jit
@@ -102,19 +121,25 @@ def row_offsets(slot, page, stride_block, stride_row, FMT: tl.constexpr):
     off = (slot % page).to(tl.int64)
     base = blk * stride_block
     if FMT == FMT_MODEL1_FP8:
-        return base + off * 576, base + page * 576 + off * 8
-    row = base + off * stride_row
-    if FMT == FMT_V41_FP4:
-        return row, row + 256
-    return row, row + 512
+        row = base + off * 576
+        srow = base + page * 576 + off * 8
+    elif FMT == FMT_V41_FP4:
+        row = base + off * stride_row
+        srow = row + 256
+    else:
+        row = base + off * stride_row
+        srow = row + 512
+    return row, srow
 
 
 @triton.jit
 def _dot(a, b, acc, INTERPRET: tl.constexpr):
     # The interpreter multiplies raw bf16 bit patterns in tl.dot; fp32 operands are exact there.
     if INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    return tl.dot(a, b, acc)
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
 
 
 @triton.jit

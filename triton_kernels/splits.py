@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from anymla import buffers
 import triton
 
 from .common import combine_kernel
-from .tuning import TileConfig
+from .tuning import TileConfig, forced_splits
 
 MAX_SPLITS = 64
 _MIN_BLOCKS_PER_SPLIT = 2
@@ -33,6 +35,8 @@ def choose_num_splits(programs: int, max_key_blocks: int, cores: int, batch_inva
 
     Batch-invariant mode never splits: a request's sums then never depend on the rest of the batch.
     """
+    if forced_splits() is not None:
+        return forced_splits()
     if batch_invariant or programs >= cores:
         return 1
     by_cores = (2 * cores) // max(programs, 1)
@@ -44,8 +48,8 @@ def make_plan(tile: TileConfig, num_splits: int, tokens: int, heads: int, device
     if num_splits == 1:
         return SplitPlan(tile, 1)
     return SplitPlan(tile, num_splits,
-                     torch.empty(tokens, num_splits, heads, 512, dtype=torch.float32, device=device),
-                     torch.empty(tokens, num_splits, heads, dtype=torch.float32, device=device))
+                     buffers.empty(tokens, num_splits, heads, 512, dtype=torch.float32, device=device),
+                     buffers.empty(tokens, num_splits, heads, dtype=torch.float32, device=device))
 
 
 def combine(plan: SplitPlan, out: torch.Tensor, lse: torch.Tensor, tokens_per_batch: int,

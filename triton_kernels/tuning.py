@@ -6,7 +6,9 @@ order of the floating-point sums, so they must be a function of one request only
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Optional
 
 import triton
 
@@ -20,12 +22,33 @@ class TileConfig:
     skip_scale: bool = True  # block-uniform lazy rescale (else rescale every block)
 
 
+_FORCED: dict = {}
+
+
+@contextlib.contextmanager
+def forced(tile: Optional["TileConfig"] = None, num_splits: Optional[int] = None):
+    """Pin the tile config and/or split count of every launch inside the block (for sweeps and tests)."""
+    saved = dict(_FORCED)
+    _FORCED.update({k: v for k, v in (("tile", tile), ("num_splits", num_splits)) if v is not None})
+    try:
+        yield
+    finally:
+        _FORCED.clear()
+        _FORCED.update(saved)
+
+
+def forced_splits() -> Optional[int]:
+    return _FORCED.get("num_splits")
+
+
 def _rows_block(rows: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(rows)))
 
 
 def sparse_config(kind: str, heads_per_group: int, d_qk: int, quantized: bool) -> TileConfig:
     """Tiles of the sparse kernel for ``heads_per_group`` query heads sharing one index list."""
+    if "tile" in _FORCED:
+        return _FORCED["tile"]
     if kind == "interpret":
         # The interpreter costs per operation, not per element: few, large tiles.
         return TileConfig(_rows_block(heads_per_group, 64), 64, 4, 1)
@@ -33,14 +56,17 @@ def sparse_config(kind: str, heads_per_group: int, d_qk: int, quantized: bool) -
         # Unified buffer budget (192 KB on A2/A3): [16, 512] fp32 accumulators plus a 32-row latent tile.
         return TileConfig(16, 32, 1, 1)
     bh = _rows_block(heads_per_group, 64)
-    return TileConfig(bh, 64, 8 if bh == 64 else 4, 2)
+    # BLOCK_H 64 needs 8 warps: its [64, 512] fp32 accumulator alone is 256 registers a thread with 4.
+    return TileConfig(bh, 32, 8, 2) if bh == 64 else TileConfig(bh, 64, 4, 2)
 
 
 def dense_config(kind: str, rows_per_kv_head: int, d_qk: int) -> TileConfig:
     """Tiles of the dense decode kernel for ``rows_per_kv_head = s_q * h_q / h_kv`` packed query rows."""
+    if "tile" in _FORCED:
+        return _FORCED["tile"]
     if kind == "interpret":
         return TileConfig(_rows_block(rows_per_kv_head, 64), 64, 4, 1)
     if kind == "npu":
         return TileConfig(16, 32, 1, 1)
     bh = _rows_block(rows_per_kv_head, 64)
-    return TileConfig(bh, 64, 8 if bh == 64 else 4, 2)
+    return TileConfig(bh, 32, 8, 3) if bh == 64 else TileConfig(bh, 64, 8, 3)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from anymla import buffers
 import triton
 
 from .. import runtime
@@ -33,8 +35,8 @@ def dense_decode(p) -> tuple[torch.Tensor, torch.Tensor]:
     rows = s_q * (h_q // h_kv)
     plan = p.sched.plan_for("triton", lambda: _plan(p, rows)) if p.sched is not None else _plan(p, rows)
     tile = plan.tile
-    out = torch.empty(b, s_q, h_q, p.d_v, dtype=p.q.dtype, device=p.device)
-    lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=p.device)
+    out = buffers.empty(b, s_q, h_q, p.d_v, dtype=p.q.dtype, device=p.device)
+    lse = buffers.empty(b, h_q, s_q, dtype=torch.float32, device=p.device)
     q, kv = p.q, p.k_cache
     rb = triton.cdiv(rows, tile.block_h)
     grid = (b * h_kv * rb, plan.num_splits)

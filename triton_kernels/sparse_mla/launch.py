@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 import triton
 
+from anymla import buffers
 from anymla.kvcache import KVCacheFormat
 
 from .. import runtime
@@ -81,9 +82,9 @@ def sparse_prefill(p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # kv is one page holding every row: slot = row, so the paged addressing reduces to row * stride(0).
     main = _Source(kv, KVCacheFormat.BF16, max(s_kv, 1), 0, kv.stride(0), kv.stride(1), s_kv,
                    _last_dim_contiguous(p.indices), p.topk_length)
-    out = torch.empty(s_q, h_q, p.d_v, dtype=q.dtype, device=q.device)
-    lse = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
-    max_logits = torch.empty_like(lse)
+    out = buffers.empty(s_q, h_q, p.d_v, dtype=q.dtype, device=q.device)
+    lse = buffers.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+    max_logits = buffers.empty(*lse.shape, dtype=lse.dtype, device=lse.device)
     if s_q:
         _launch(q, main, None, 1, p.attn_sink, p.sm_scale, out, lse, max_logits, SplitPlan(tile, 1))
     return out, max_logits, lse
@@ -113,8 +114,8 @@ def sparse_decode(p) -> tuple[torch.Tensor, torch.Tensor]:
     main = _Source.paged(p.k_cache, p.fmt, p.indices, p.topk_length)
     extra = None if p.extra_k_cache is None else \
         _Source.paged(p.extra_k_cache, p.extra_fmt, p.extra_indices, p.extra_topk_length)
-    out = torch.empty(b, s_q, h_q, p.d_v, dtype=q.dtype, device=q.device)
-    lse = torch.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
+    out = buffers.empty(b, s_q, h_q, p.d_v, dtype=q.dtype, device=q.device)
+    lse = buffers.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
     o3, l2 = out.view(tokens, h_q, p.d_v), lse.view(tokens, h_q)
     _launch(q, main, extra, s_q, p.attn_sink, p.sm_scale, o3, l2, None, plan)
     if plan.num_splits > 1:

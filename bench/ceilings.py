@@ -1,0 +1,49 @@
+"""The device's ceilings, measured in the same run as the kernels: a large copy and a large bf16 matmul.
+
+Absolute rates drift between machines of one kind (the H200 anchors saw 686 to 790 TFLOP/s), so every
+ratio the report gives is against these same-run numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .timing import Timer
+
+# Accelerators: 1 GiB device-to-device copy and an 8192^3 product. The CPU gets sizes that take
+# milliseconds there, and the labels say so.
+_ACCELERATOR_SIZES = (1 << 30, 8192)
+_CPU_SIZES = (64 << 20, 1024)
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    copy_gbps: float  # bytes read + bytes written per second, 1e9
+    matmul_tflops: float
+    copy_label: str
+    matmul_label: str
+
+    def describe(self) -> str:
+        return (f"copy {self.copy_gbps:,.0f} GB/s ({self.copy_label}), "
+                f"matmul {self.matmul_tflops:,.1f} TFLOP/s ({self.matmul_label})")
+
+
+def measure_ceilings(device: torch.device, timer: Timer) -> Ceilings:
+    copy_bytes, n = _CPU_SIZES if device.type == "cpu" else _ACCELERATOR_SIZES
+    where = "host" if device.type == "cpu" else "device-to-device"
+    src = torch.ones(copy_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy = timer.measure(lambda: dst.copy_(src))
+    del src, dst
+    # Random operands: on zeros the tensor cores draw less power and run faster than on real data.
+    a = torch.randn(n, n, device=device).to(torch.bfloat16)
+    b = torch.randn(n, n, device=device).to(torch.bfloat16)
+    c = torch.empty_like(a)
+    product = timer.measure(lambda: torch.mm(a, b, out=c))
+    return Ceilings(
+        copy_gbps=2 * copy_bytes / (copy.median_us * 1e-6) / 1e9,
+        matmul_tflops=2 * n ** 3 / (product.median_us * 1e-6) / 1e12,
+        copy_label=f"{copy_bytes >> 20} MiB {where} copy, read + write",
+        matmul_label=f"bf16 {n}x{n}x{n} torch.mm on {device.type}")

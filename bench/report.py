@@ -1,0 +1,202 @@
+"""Reports of a run: the long-format CSV (one row per shape and backend), the terminal table, the A/B
+speed-ups and the markdown summary. Plots: plot.py.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+from typing import Optional
+
+from . import anchors, model
+from .ceilings import Ceilings
+from .machine import RunInfo
+from .runner import OK, CaseOutcome
+
+TRITON_TIER = "triton"
+COLUMNS = ("timestamp", "device", "device_name", "torch", "triton", "anymla", "suite", "case", "op", "shape",
+           "backend", "status", "note", "timer", "median_us", "p20_us", "p80_us", "reps", "flops", "bytes",
+           "tflops", "gbps", "floor_us", "bound", "frac_of_floor", "copy_gbps", "matmul_tflops", "ratio_to_matmul",
+           "ratio_to_copy", "dispatcher_choice", "fastest", "anchor_flashmla_us", "anchor_triton",
+           "anchor_triton_us")
+HEADERS = ("case", "backend", "status", "median µs", "p20-p80 µs", "TFLOP/s", "GB/s", "% floor", "x matmul",
+           "x copy", "note")
+
+
+def _note(result, info: RunInfo) -> str:
+    if info.interpreter and result.backend == TRITON_TIER and result.status == OK:
+        return "; ".join(filter(None, ["Triton interpreter timing", result.note]))
+    return result.note
+
+
+def csv_rows(outcomes: list[CaseOutcome], info: RunInfo, ceilings: Ceilings) -> list[dict]:
+    rows = []
+    for o in outcomes:
+        anchor = anchors.ANCHORS.get(o.case.name)
+        for r in o.results:
+            row = dict.fromkeys(COLUMNS, "")
+            row.update({k: v for k, v in dataclasses.asdict(info).items() if k in row})
+            row.update(suite=o.suite, case=o.case.name, op=o.case.op, shape=o.shape, backend=r.backend,
+                       status=r.status, note=_note(r, info), copy_gbps=ceilings.copy_gbps,
+                       matmul_tflops=ceilings.matmul_tflops, dispatcher_choice=o.dispatcher_choice,
+                       fastest=o.fastest)
+            if o.cost is not None:
+                row.update(flops=o.cost.flops, bytes=o.cost.bytes)
+                row.update(zip(("floor_us", "bound"), model.floor_us(o.cost, ceilings)))
+            if r.timing is not None:
+                t = r.timing
+                row.update(timer=t.timer, median_us=t.median_us, p20_us=t.p20_us, p80_us=t.p80_us, reps=t.reps)
+                row.update(dataclasses.asdict(model.rates(o.cost, t.median_us, ceilings)))
+            if anchor is not None:
+                row.update(anchor_flashmla_us=anchor.flashmla_us, anchor_triton=anchor.triton_name,
+                           anchor_triton_us=anchor.triton_us if anchor.triton_us is not None else "")
+            rows.append(row)
+    return rows
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _num(x: float) -> str:
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.3g}"
+
+
+def _cells(o: CaseOutcome, r, info: RunInfo, ceilings: Ceilings) -> list[str]:
+    cells = [o.case.name, r.backend, r.status.upper() if r.status != OK else OK]
+    if r.timing is None:
+        return cells + [""] * 7 + [_note(r, info)]
+    t = r.timing
+    rates = model.rates(o.cost, t.median_us, ceilings)
+    return cells + [_num(t.median_us), f"{_num(t.p20_us)}-{_num(t.p80_us)}", _num(rates.tflops), _num(rates.gbps),
+                    f"{100 * rates.frac_of_floor:.3g}%", f"{rates.ratio_to_matmul:.3g}", f"{rates.ratio_to_copy:.3g}",
+                    _note(r, info)]
+
+
+def verdict(o: CaseOutcome) -> str:
+    """The user's question for one shape: which backend the dispatcher picks, and is it the fastest measured?"""
+    if o.decision is None:
+        return "dispatcher: no decision (the inputs could not be built)"
+    head = f"dispatcher picks {o.dispatcher_choice} ({o.decision.source})"
+    fastest = o.fastest
+    if not fastest:
+        return head + "; no backend was timed"
+    if fastest == o.dispatcher_choice:
+        return head + ": the fastest measured"
+    chosen = o.result(o.dispatcher_choice)
+    if chosen is None or chosen.timing is None:
+        return head + f" (not timed here); fastest measured: {fastest}"
+    gain = chosen.timing.median_us / o.result(fastest).timing.median_us
+    return head + f"; fastest measured: {fastest}, {gain:.2f}x faster (--tune would pick it)"
+
+
+def _anchor_line(o: CaseOutcome) -> Optional[str]:
+    anchor = anchors.ANCHORS.get(o.case.name)
+    if anchor is None or o.cost is None:
+        return None
+    ratio = anchor_ratio(o.cost, anchor.flashmla_us)
+    text = f"{anchors.LABEL}: FlashMLA CUDA {_num(anchor.flashmla_us)} µs ({ratio})"
+    if anchor.triton_us is not None:
+        text += f", best public Triton ({anchor.triton_name}) {_num(anchor.triton_us)} µs"
+    return text
+
+
+def anchor_ratio(cost: model.Cost, time_us: float) -> str:
+    """The anchor's achieved rate against the anchor run's own ceilings, for the ceiling that binds."""
+    anchor_ceilings = Ceilings(anchors.ANCHOR_COPY_GBPS, anchors.ANCHOR_MATMUL_TFLOPS, "", "")
+    rates = model.rates(cost, time_us, anchor_ceilings)
+    if rates.bound == "memory":
+        return f"{_num(rates.gbps)} GB/s, {rates.ratio_to_copy:.2f}x copy"
+    return f"{_num(rates.tflops)} TFLOP/s, {rates.ratio_to_matmul:.2f}x matmul"
+
+
+def speedups(outcomes: list[CaseOutcome], baseline: str, target: str) -> list[tuple]:
+    """``(outcome, speed-up, low, high)`` per case where both were timed: speed-up = baseline time / target
+    time; low..high pairs the slow and fast ends of the two p20-p80 spreads."""
+    out = []
+    for o in outcomes:
+        a, b = o.result(baseline), o.result(target)
+        if a is None or b is None or a.timing is None or b.timing is None:
+            continue
+        ta, tb = a.timing, b.timing
+        out.append((o, ta.median_us / tb.median_us, ta.p20_us / tb.p80_us, ta.p80_us / tb.p20_us))
+    return out
+
+
+def ab_lines(outcomes: list[CaseOutcome], baseline: str, target: str) -> list[str]:
+    rows = speedups(outcomes, baseline, target)
+    lines = [f"A/B: {target} vs {baseline} (speed-up = {baseline} time / {target} time, p20-p80 spread)"]
+    lines += [f"  {o.case.name}: {s:.2f}x [{lo:.2f}-{hi:.2f}]" for o, s, lo, hi in rows]
+    if rows:
+        geomean = math.exp(sum(math.log(s) for _, s, _, _ in rows) / len(rows))
+        lines.append(f"  geometric mean over {len(rows)} shapes: {geomean:.2f}x")
+    else:
+        lines.append("  no shape where both were timed")
+    return lines
+
+
+def header_lines(info: RunInfo, ceilings: Ceilings) -> list[str]:
+    lines = [f"anymla.bench on {info.device} ({info.device_name}); torch {info.torch}, triton {info.triton}, "
+             f"anymla {info.anymla}; {info.timestamp}",
+             f"ceilings measured in this run: {ceilings.describe()}",
+             "% floor = floor time / measured time, floor = max(bytes / copy rate, FLOPs / matmul rate)"]
+    if info.interpreter:
+        lines.append("NOTE: on the CPU the Triton tier runs in Triton's interpreter: its times are interpreter "
+                     "times, not kernel performance")
+    return lines
+
+
+def format_table(outcomes: list[CaseOutcome], info: RunInfo, ceilings: Ceilings,
+                 ab: Optional[tuple] = None) -> str:
+    """The terminal report: one row per shape and backend, the dispatcher's verdict under each shape."""
+    blocks = []
+    for o in outcomes:
+        rows = [_cells(o, r, info, ceilings) for r in o.results]
+        extra = [verdict(o)] + list(filter(None, [_anchor_line(o)]))
+        blocks.append((o.suite, rows, extra))
+    widths = [max([len(h)] + [len(row[i]) for _, rows, _ in blocks for row in rows]) for i, h in enumerate(HEADERS)]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i < 3 or i == len(cells) - 1 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    out = header_lines(info, ceilings)
+    suite = None
+    for name, rows, extra in blocks:
+        if name != suite:
+            suite = name
+            out += ["", f"== {name} ==", line(HEADERS)]
+        out += [line(row) for row in rows] + [f"    {text}" for text in extra]
+    if ab is not None:
+        out += [""] + ab_lines(outcomes, *ab)
+    return "\n".join(out)
+
+
+def _md_row(cells) -> str:
+    return "| " + " | ".join(c.replace("|", "/") for c in cells) + " |"
+
+
+def summary_markdown(outcomes: list[CaseOutcome], info: RunInfo, ceilings: Ceilings, files: list[str],
+                     ab: Optional[tuple] = None) -> str:
+    suites = list(dict.fromkeys(o.suite for o in outcomes))
+    out = [f"# anymla.bench: {', '.join(suites)} on {info.device_name}", ""]
+    out += [f"- {text}" for text in header_lines(info, ceilings)]
+    out += [f"- files: {', '.join(files)}", ""]
+    for suite in suites:
+        mine = [o for o in outcomes if o.suite == suite]
+        out += [f"## {suite}", "", _md_row(HEADERS), _md_row(["---"] * len(HEADERS))]
+        out += [_md_row(_cells(o, r, info, ceilings)) for o in mine for r in o.results]
+        out += ["", "Dispatcher's choice per shape:", ""] + [f"- {o.case.name}: {verdict(o)}" for o in mine]
+        anchored = [(o, line) for o in mine if (line := _anchor_line(o))]
+        if anchored:
+            out += ["", f"H200 anchors ({anchors.LABEL}; ratios against the anchor run's ceilings, "
+                        f"{anchors.ANCHOR_COPY_GBPS:,.0f} GB/s copy and {anchors.ANCHOR_MATMUL_TFLOPS:,.0f} TFLOP/s matmul):",
+                    ""] + [f"- {o.case.name}: {line.split(': ', 1)[1]}" for o, line in anchored]
+        out.append("")
+    if ab is not None:
+        out += ["## A/B", ""] + [f"    {text}" for text in ab_lines(outcomes, *ab)] + [""]
+    return "\n".join(out)

@@ -1,0 +1,175 @@
+"""FlashMLA's own CUDA kernels (the ``flash_mla`` module) as an external peer backend.
+
+A peer is never chosen automatically (``auto_select = False``): it runs when asked for by name
+(``backend="flashmla"``) or when ``python -m anymla.bench --tune`` measured it fastest for a shape. It lets
+the benchmark time FlashMLA behind the very inputs and correctness gate of anymla's own tiers.
+
+The shape limits below are FlashMLA v1.0.0's (``csrc/api/*.h`` and its kernels' asserts; see the project's
+FlashMLA contract notes) plus the 2026-09-30 release's V4.1 formats. Unverified: no ``flash_mla`` build was
+available where this adapter was written, so its calls follow FlashMLA's documented interface only.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+
+import torch
+
+from ..kvcache import KVCacheFormat
+from ..registry import OPS, Backend
+
+_SPARSE_HEADS = (64, 128)
+# Formats each FlashMLA generation decodes sparsely: v1.0.0 (SM90 and SM100) and the 2026-09-30 release
+# (SM100 only), told apart by the fused kernel only the later one exports.
+_V1_FORMATS = (KVCacheFormat.V32_FP8, KVCacheFormat.MODEL1_FP8)
+_V41_FORMATS = (KVCacheFormat.V41_FP8,)
+_V41_EXTRA_FORMATS = (KVCacheFormat.V41_FP8, KVCacheFormat.V41_FP4)
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_mla():
+    """The imported ``flash_mla`` module, or the reason it cannot be used."""
+    if importlib.util.find_spec("flash_mla") is None:
+        return None, "flash_mla is not importable (FlashMLA is not installed: build it from deepseek-ai/FlashMLA)"
+    try:
+        module = importlib.import_module("flash_mla")
+    except Exception as err:  # a broken build raises anything from ImportError to OSError
+        return None, f"flash_mla is not importable: {type(err).__name__}: {err}"
+    required = [p for p in inspect.signature(module.get_mla_metadata).parameters.values()
+                if p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD]
+    if required:
+        return None, ("flash_mla is older than v1.0.0 (its get_mla_metadata needs arguments); the peer speaks "
+                      "v1.0.0's interface")
+    return module, ""
+
+
+def _is_v41(module) -> bool:
+    return hasattr(module, "fused_norm_rope_attn_rope_cast")
+
+
+def _arch(device: torch.device) -> int:
+    major, _ = torch.cuda.get_device_capability(device)
+    return major
+
+
+class FlashMLAPeer(Backend):
+    name = "flashmla"
+    ops = frozenset(OPS)
+    device_types = ("cuda",)
+    auto_select = False
+
+    def unavailable_reasons(self, device: torch.device) -> list[str]:
+        reasons = super().unavailable_reasons(device)
+        if reasons:
+            return reasons
+        module, why = _flash_mla()
+        if module is None:
+            return [why]
+        if not torch.cuda.is_available():
+            return ["torch sees no CUDA device"]
+        major = _arch(device)
+        if major not in (9, 10):
+            return [f"FlashMLA's kernels need an SM90 (Hopper) or SM100 (Blackwell) GPU, this one is sm{major}x"]
+        if _is_v41(module) and major != 10:
+            return ["this flash_mla is the 2026-09-30 release, which runs on SM100 only"]
+        return []
+
+    def shape_reasons(self, problem) -> list[str]:
+        module, _ = _flash_mla()
+        return getattr(self, f"_{problem.op}_reasons")(problem, module, _arch(problem.device))
+
+    @staticmethod
+    def _sparse_prefill_reasons(p, module, major) -> list[str]:
+        s_q, h_q, d = p.q.shape
+        topk = p.indices.shape[-1]
+        reasons = []
+        if p.q.dtype != torch.bfloat16:
+            reasons.append(f"q must be bf16, got {p.q.dtype}")
+        if h_q not in _SPARSE_HEADS:
+            reasons.append(f"h_q must be 64 or 128, got {h_q}")
+        if p.kv.shape[1] != 1:
+            reasons.append(f"h_kv must be 1, got {p.kv.shape[1]}")
+        if _is_v41(module) and d != 512:
+            reasons.append(f"the 2026-09-30 release takes d_qk 512 only, got {d}")
+        granule = 128 if major == 9 or (h_q == 128 and topk > 1280) else 64
+        if topk % granule:
+            reasons.append(f"topk must be a multiple of {granule} on sm{major}x, got {topk}")
+        return reasons
+
+    @staticmethod
+    def _sparse_decode_reasons(p, module, major) -> list[str]:
+        h_q = p.q.shape[2]
+        reasons = []
+        if h_q not in _SPARSE_HEADS:
+            reasons.append(f"h_q must be 64 or 128, got {h_q}")
+        if p.q.dtype != torch.bfloat16:
+            reasons.append(f"q must be bf16, got {p.q.dtype}")
+        formats = _V41_FORMATS if _is_v41(module) else _V1_FORMATS
+        if p.fmt not in formats:
+            reasons.append(f"this flash_mla decodes {', '.join(f.name for f in formats)} caches sparsely, "
+                           f"not {p.fmt.name}")
+        if p.fmt.is_quantized and p.k_cache.stride(1) != p.fmt.spec.bytes_per_token:
+            reasons.append(f"k_cache rows must be packed (stride(1) == {p.fmt.spec.bytes_per_token} bytes per token), "
+                           f"got stride(1) = {p.k_cache.stride(1)}")
+        if p.indices.shape[-1] % 64:
+            reasons.append(f"topk must be a multiple of 64, got {p.indices.shape[-1]}")
+        if p.extra_k_cache is not None:
+            if not _is_v41(module) and p.fmt is KVCacheFormat.V32_FP8:
+                reasons.append("V32_FP8 decoding takes no extra cache")
+            elif _is_v41(module) and p.extra_fmt not in _V41_EXTRA_FORMATS:
+                reasons.append(f"the extra cache must be V41_FP8 or V41_FP4, got {p.extra_fmt.name}")
+            if major == 10 and h_q == 64 and p.extra_indices.shape[-1] % 64:
+                reasons.append(f"extra_topk must be a multiple of 64 on sm100 with 64 heads, "
+                               f"got {p.extra_indices.shape[-1]}")
+        if p.fmt is KVCacheFormat.V32_FP8 and major == 9 and p.topk_length is not None:
+            reasons.append("V32_FP8 decoding on sm90 takes no topk_length")
+        if p.batch_invariant and "enable_batch_invariant" not in inspect.signature(module.flash_mla_with_kvcache).parameters:
+            reasons.append("enable_batch_invariant needs the 2026-09-30 flash_mla")
+        return reasons
+
+    @staticmethod
+    def _dense_decode_reasons(p, module, major) -> list[str]:
+        reasons = []
+        if _is_v41(module):
+            reasons.append("the 2026-09-30 flash_mla removed dense decoding")
+        if major != 9:
+            reasons.append(f"dense decoding runs on sm90 only, this GPU is sm{major}x")
+        if p.q.shape[-1] != 576:
+            reasons.append(f"d_qk must be 576, got {p.q.shape[-1]}")
+        if p.k_cache.shape[1] != 64:
+            reasons.append(f"the page size must be 64, got {p.k_cache.shape[1]}")
+        if p.attn_sink is not None:
+            reasons.append("dense decoding takes no attn_sink")
+        if p.batch_invariant:
+            reasons.append("dense decoding has no batch-invariant mode")
+        return reasons
+
+    @staticmethod
+    def _metadata(p, module):
+        """FlashMLA's own scheduling metadata, kept in anymla's so every call of a configuration reuses it."""
+        if p.sched is None:
+            return module.get_mla_metadata()[0]
+        return p.sched.plan_for("flashmla", lambda: module.get_mla_metadata()[0])
+
+    def sparse_prefill(self, p):
+        module, _ = _flash_mla()
+        return module.flash_mla_sparse_fwd(p.q, p.kv, p.indices, p.sm_scale, p.d_v, p.attn_sink, p.topk_length)
+
+    def sparse_decode(self, p):
+        module, _ = _flash_mla()
+        extra = {"enable_batch_invariant": True} if p.batch_invariant else {}
+        out, lse = module.flash_mla_with_kvcache(
+            p.q, p.k_cache, None, None, p.d_v, self._metadata(p, module), None, softmax_scale=p.sm_scale,
+            is_fp8_kvcache=True, indices=p.indices, attn_sink=p.attn_sink, extra_k_cache=p.extra_k_cache,
+            extra_indices_in_kvcache=p.extra_indices, topk_length=p.topk_length,
+            extra_topk_length=p.extra_topk_length, **extra)
+        return out, lse.transpose(1, 2)  # FlashMLA's lse is a [b, h_q, s_q] view of a contiguous [b, s_q, h_q]
+
+    def dense_decode(self, p):
+        module, _ = _flash_mla()
+        return module.flash_mla_with_kvcache(p.q, p.k_cache, p.block_table, p.cache_seqlens, p.d_v,
+                                             self._metadata(p, module), None, softmax_scale=p.sm_scale,
+                                             causal=p.causal)

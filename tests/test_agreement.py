@@ -1,0 +1,179 @@
+"""Every backend against the PyTorch reference on FlashMLA's test grids (contract sections 4.3-4.5, 9).
+
+Inputs are fresh random data with NaN in every cache row the call must not read; outputs are poisoned
+(conftest). On the CPU the grids are subsets sized for Triton's interpreter; on a GPU they are the full
+grids of the contract.
+"""
+
+import itertools
+import os
+import zlib
+
+import pytest
+import torch
+
+import anymla
+from anymla.kvcache import KVCacheFormat as F
+from anymla.testing import compare_outputs, dense_decode_inputs, device_under_test, prefill_inputs, sparse_decode_inputs
+
+DEVICE = device_under_test()
+# FlashMLA's full grids on an accelerator; interpreter-sized subsets on the CPU (or ANYMLA_TEST_GRID=small).
+ON_GPU = DEVICE.type != "cpu" and os.environ.get("ANYMLA_TEST_GRID", "full") == "full"
+
+
+def _decode_pair(args, backend):
+    meta, _ = anymla.get_mla_metadata()
+    got = anymla.flash_mla_with_kvcache(**args, tile_scheduler_metadata=meta, backend=backend)
+    ref = anymla.flash_mla_with_kvcache(**args, tile_scheduler_metadata=None, backend="reference")
+    return got, ref
+
+
+# ---------------------------------------------------------------- sparse prefill
+if ON_GPU:
+    PREFILL = [dict(d_qk=d, h_q=h, s_kv=s_kv, topk=k, s_q=s_q, sink=sink, topk_length=tl)
+               for d, h, (s_kv, k), s_q, sink, tl in itertools.product(
+                   (576, 512), (128, 64), ((128, 128), (256, 256), (512, 512), (592, 128), (1840, 256), (1592, 384),
+                                           (1521, 512), (95, 128), (153, 256), (114, 384)),
+                   (1, 62, 213), (False, True), (False, True))]
+else:
+    PREFILL = [dict(d_qk=d, h_q=h, s_kv=s_kv, topk=k, s_q=2, sink=sink, topk_length=sink)
+               for d, h, (s_kv, k), sink in itertools.product(
+                   (576, 512), (64, 128), ((128, 128), (95, 128), (300, 100)), (False, True))]
+PREFILL += [
+    dict(d_qk=576, h_q=16, s_kv=200, topk=64, s_q=3, shuffle_invalid=True),  # leading invalid padding, TP16
+    dict(d_qk=512, h_q=8, s_kv=64, topk=96, s_q=2, sink=True),  # TP8 heads, topk > s_kv, tail block
+    dict(d_qk=512, h_q=32, s_kv=100, topk=64, s_q=2, h_kv=2),  # h_kv > 1 (beyond FlashMLA)
+    dict(d_qk=576, h_q=64, s_kv=32, topk=2048 if ON_GPU else 512, s_q=1),  # s_kv << topk
+    dict(d_qk=512, h_q=64, s_kv=300, topk=128, s_q=4, all_invalid_rows=True, topk_length=True),
+    dict(d_qk=576, h_q=64, s_kv=1, topk=64, s_q=2),
+    dict(d_qk=576, h_q=64, s_kv=0, topk=64, s_q=2),
+]
+PREFILL_ALL_INVALID = [(1, 128, 128), (1, 256, 256)] + ([(1234, 4321, 4096), (4096, 2048, 2048)] if ON_GPU else [])
+
+
+def _prefill_id(c):
+    return "-".join(f"{k}{int(v) if isinstance(v, bool) else v}" for k, v in c.items())
+
+
+@pytest.mark.parametrize("case", PREFILL, ids=_prefill_id)
+def test_sparse_prefill(backend, case, tol_scale, device):
+    c = dict(case)
+    args = prefill_inputs(c.pop("s_q"), c.pop("h_q"), c.pop("d_qk"), c.pop("s_kv"), c.pop("topk"), device=device,
+                          seed=zlib.crc32(_prefill_id(case).encode()), **c)
+    compare_outputs("sparse_prefill", anymla.flash_mla_sparse_fwd(**args, backend=backend),
+                    anymla.flash_mla_sparse_fwd(**args, backend="reference"), scale=tol_scale)
+
+
+@pytest.mark.parametrize("s_q,s_kv,topk", PREFILL_ALL_INVALID)
+@pytest.mark.parametrize("d_qk", (576, 512))
+def test_sparse_prefill_all_invalid(backend, s_q, s_kv, topk, d_qk, device):
+    args = prefill_inputs(s_q, 64, d_qk, s_kv, topk, device=device, seed=5)
+    args["indices"].fill_(-1)
+    out, max_logits, lse = anymla.flash_mla_sparse_fwd(**args, backend=backend)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.isneginf(max_logits).all() and torch.isposinf(lse).all()
+
+
+@pytest.mark.parametrize("d_qk,h_q", [(512, 64), (576, 128)] if ON_GPU else [(512, 64)])
+def test_sparse_prefill_k_amplifier(backend, d_qk, h_q, tol_scale, device):
+    """2 % of kv rows scaled by up to 2^8: logits jump, exercising the lazy (skip-scale) rescale."""
+    args = prefill_inputs(3 if not ON_GPU else 213, h_q, d_qk, 1592, 384, amplify=True, sink=True, topk_length=True,
+                          device=device, seed=7)
+    compare_outputs("sparse_prefill", anymla.flash_mla_sparse_fwd(**args, backend=backend),
+                    anymla.flash_mla_sparse_fwd(**args, backend="reference"), amplified=True, scale=tol_scale)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="70000 query tokens take hours in the interpreter; run on a GPU")
+def test_sparse_prefill_large_grid(backend, device):
+    """s_q = 70000 overflows a 65535 grid dimension if tokens were mapped to one; it must simply run."""
+    args = prefill_inputs(70000, 64, 512, 256, 64, device=device, seed=8, poison=False)
+    out, max_logits, lse = anymla.flash_mla_sparse_fwd(**args, backend=backend)
+    assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all()
+
+
+# ---------------------------------------------------------------- sparse decode
+def _decode_cases():
+    if ON_GPU:
+        grid = [dict(fmt=fmt, h_q=h, s_k=s_k, topk=k, page=page, b=b, s_q=s_q, varlen=b != 74,
+                     topk_length=fmt is not F.V32_FP8, sink=True)
+                for fmt in (F.V32_FP8, F.MODEL1_FP8, F.V41_FP8, F.BF16) for h in (64, 128)
+                for (s_k, k, page) in ((512, 64, 2), (512, 64, 64), (512, 64, 69), (1024, 576, 2), (1024, 576, 61),
+                                       (2046, 2048, 2), (2046, 2048, 64), (2046, 2048, 576), (512, 64, 61),
+                                       (650, 576, 53))
+                for b in (4, 74) for s_q in (1, 3)]
+    else:
+        grid = [dict(fmt=fmt, h_q=64, s_k=s_k, topk=k, page=page, b=2, s_q=s_q, topk_length=fmt is not F.V32_FP8,
+                     sink=s_q == 2)
+                for fmt in (F.V32_FP8, F.MODEL1_FP8, F.V41_FP8, F.BF16)
+                for (s_k, k, page), s_q in zip(((300, 64, 2), (200, 128, 61), (200, 64, 5), (300, 100, 53)), (1, 2, 3, 1))]
+    grid += [
+        dict(fmt=F.V41_FP8, h_q=64, s_k=300, topk=128, page=64, b=2, s_q=1,
+             extra=dict(fmt=F.V41_FP4, page=2, s_k=200, topk=64, topk_length=True)),
+        dict(fmt=F.MODEL1_FP8, h_q=128, s_k=300, topk=64, page=64, b=2, s_q=1,
+             extra=dict(fmt=F.MODEL1_FP8, page=1, s_k=150, topk=64)),
+        dict(fmt=F.V41_FP8, h_q=128, s_k=300, topk=128, page=123, b=2, s_q=1,
+             extra=dict(fmt=F.V41_FP8, page=5, s_k=150, topk=100)),  # partial extra block (not a multiple of 64)
+        dict(fmt=F.V32_FP8, h_q=16, s_k=300, topk=64, page=256, b=3, s_q=2, shuffle_invalid=True),  # leading -1
+        dict(fmt=F.V41_FP8, h_q=8, s_k=200, topk=64, page=576, b=2, s_q=1, sink=True),  # TP8
+        dict(fmt=F.V32_FP8, h_q=64, s_k=300, topk=64, page=16, b=4, s_q=1, zero_len_frac=0.5, sink=True),
+        dict(fmt=F.V41_FP8, h_q=64, s_k=300, topk=64, page=16, b=2, s_q=3, all_invalid=True, sink=True),
+        dict(fmt=F.V32_FP8, h_q=64, s_k=100, topk=64, page=16, b=2, s_q=1, block_pad=3),  # non-packed blocks
+        dict(fmt=F.V41_FP8, h_q=32, s_k=100, topk=64, page=8, b=2, s_q=2, block_pad=1, topk_length=True),
+        dict(fmt=F.V32_FP8, h_q=64, s_k=1000, topk=512, page=64, b=1, s_q=1),  # one request: split over topk
+        dict(fmt=F.V41_FP8, h_q=64, s_k=1000, topk=384, page=64, b=1, s_q=1, topk_length=True, sink=True,
+             extra=dict(fmt=F.V41_FP4, page=64, s_k=300, topk=128, topk_length=True)),  # split spanning both caches
+    ]
+    return grid
+
+
+def _decode_id(c):
+    return "-".join(f"{k}{v.name if isinstance(v, F) else ('X' if isinstance(v, dict) else v)}" for k, v in c.items())
+
+
+@pytest.mark.parametrize("case", _decode_cases(), ids=_decode_id)
+def test_sparse_decode(backend, case, tol_scale, device):
+    c = dict(case)
+    args = sparse_decode_inputs(c.pop("b"), c.pop("s_q"), c.pop("h_q"), c.pop("s_k"), c.pop("topk"), device=device,
+                                seed=zlib.crc32(_decode_id(case).encode()), **c)
+    got, ref = _decode_pair(args, backend)
+    compare_outputs("sparse_decode", got, ref, scale=tol_scale)
+
+
+# ---------------------------------------------------------------- dense decode
+def _dense_cases():
+    heads = [(h_q, h_kv) for h_q in (1, 3, 9, 63, 64, 126, 128) for h_kv in (1, 2, 3, 8) if h_q % h_kv == 0]
+    if ON_GPU:
+        return [dict(b=b, s_q=s_q, s_k=s_k, h_q=h, h_kv=k, varlen=v, causal=c)
+                for b in (1, 2, 6, 64) for s_q in (1, 2, 4) for s_k in (20, 140, 4096) for h, k in heads
+                for v in (False, True) for c in (False, True)]
+    # CPU: every head pair once, cycling through the other axes.
+    cycle = itertools.cycle(itertools.product((1, 2), (1, 2, 4), (20, 140), (False, True), (False, True)))
+    return [dict(b=b, s_q=s_q, s_k=s_k, h_q=h, h_kv=k, varlen=v, causal=c)
+            for (h, k), (b, s_q, s_k, v, c) in zip(heads, cycle)]
+
+
+DENSE_EXTRA = [
+    dict(b=4, s_q=2, s_k=300, h_q=16, h_kv=1, varlen=True, causal=True, zero_len_frac=0.5),
+    dict(b=2, s_q=1, s_k=140, h_q=16, h_kv=1, page=53),  # any page size (FlashMLA: 64 only)
+    dict(b=2, s_q=2, s_k=140, h_q=8, h_kv=1, page=1, causal=True),
+    dict(b=1, s_q=1, s_k=1000, h_q=64, h_kv=1, sink=True),  # one long request: many splits
+    dict(b=2, s_q=3, s_k=5, h_q=16, h_kv=1, causal=True),  # s_k < s_q: leading queries see nothing
+    dict(b=2, s_q=1, s_k=140, h_q=16, h_kv=1, d_qk=512),
+    dict(b=2, s_q=2, s_k=140, h_q=16, h_kv=2, dtype=torch.float16, causal=True),
+]
+
+
+@pytest.mark.parametrize("case", _dense_cases() + DENSE_EXTRA, ids=_prefill_id)
+def test_dense_decode(backend, case, tol_scale, device):
+    c = dict(case)
+    args = dense_decode_inputs(c.pop("b"), c.pop("s_q"), c.pop("h_q"), c.pop("h_kv"), c.pop("s_k"), device=device,
+                               seed=zlib.crc32(_prefill_id(case).encode()), **c)
+    got, ref = _decode_pair(args, backend)
+    compare_outputs("dense_decode", got, ref, scale=tol_scale)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="FlashMLA's corner shape (b 128, s_k 4096) is sized for a GPU")
+def test_dense_decode_corner(backend, device):
+    args = dense_decode_inputs(128, 2, 128, 1, 4096, varlen=True, zero_len_frac=0.5, causal=True, device=device)
+    got, ref = _decode_pair(args, backend)
+    compare_outputs("dense_decode", got, ref)

@@ -1,0 +1,227 @@
+"""The benchmark harness itself: its model arithmetic, the CSV schema, the correctness gate, --tune and the CLI.
+
+Everything runs on the CPU in seconds: tiny shapes, the reference plus test-only backends, and one
+end-to-end run of the quick suite (the Triton tier in its interpreter).
+"""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import anymla
+from anymla.backends.reference import ReferenceBackend
+from anymla.bench import model, report, runner, suites, tune
+from anymla.bench.ceilings import Ceilings
+from anymla.bench.machine import describe
+from anymla.bench.timing import Timer, summarize
+from anymla.kvcache import KVCacheFormat as F
+from anymla.selection import clear_decision_cache, load_tuning
+from anymla.testing import dense_decode_inputs, prefill_inputs, sparse_decode_inputs
+
+CPU = torch.device("cpu")
+OUT_BYTES_PER_HEAD = 512 * 2  # one bf16 output row
+TINY_DENSE = suites.Case("tiny-dense", "dense_decode", dict(b=2, s_q=1, h_q=16, s_k=128))
+
+
+def _q_out_bytes(tokens, h_q, d_qk):
+    return tokens * h_q * (d_qk * 2 + OUT_BYTES_PER_HEAD)
+
+
+# ---------------------------------------------------------------- the performance model, by hand
+
+def test_dense_decode_cost():
+    args = dense_decode_inputs(2, 1, 16, 1, 256)
+    c = model.cost("dense_decode", args)
+    assert c.flops == 2 * 2 * 16 * 256 * (576 + 512)
+    assert c.bytes == 2 * 256 * 576 * 2 + _q_out_bytes(2, 16, 576)
+
+
+def test_dense_decode_cost_counts_the_causal_window():
+    args = dense_decode_inputs(2, 2, 16, 1, 256, causal=True)
+    # query 0 sees 255 keys, query 1 all 256; the cache is read once whatever s_q is
+    assert model.cost("dense_decode", args).flops == 2 * 2 * (255 + 256) * 16 * (576 + 512)
+    assert model.cost("dense_decode", {**args, "causal": False}).flops == 2 * 2 * 2 * 256 * 16 * (576 + 512)
+
+
+def test_sparse_decode_cost_per_format():
+    args = sparse_decode_inputs(2, 1, 64, 256, 128, fmt=F.V32_FP8, varlen=False)
+    c = model.cost("sparse_decode", args)
+    assert c.flops == 2 * 2 * 64 * 128 * (576 + 512)
+    assert c.bytes == 2 * 128 * 656 + _q_out_bytes(2, 64, 576)
+
+    args = sparse_decode_inputs(2, 1, 64, 256, 128, fmt=F.V41_FP8, varlen=False,
+                                extra=dict(fmt=F.V41_FP4, page=64, s_k=128, topk=64))
+    c = model.cost("sparse_decode", args)
+    assert c.flops == 2 * 2 * 64 * (128 + 64) * (512 + 512)
+    assert c.bytes == 2 * 128 * 528 + 2 * 64 * 288 + _q_out_bytes(2, 64, 512)
+
+
+def test_sparse_decode_cost_skips_padding():
+    args = sparse_decode_inputs(1, 1, 64, 100, 128, fmt=F.V32_FP8, varlen=False)  # 28 slots of -1 padding
+    assert model.cost("sparse_decode", args).flops == 2 * 64 * 100 * (576 + 512)
+
+
+def test_sparse_prefill_cost_reads_each_row_once():
+    args = prefill_inputs(2, 16, 576, 128, 128)  # both tokens read all 128 rows
+    c = model.cost("sparse_prefill", args)
+    assert c.flops == 2 * 2 * 16 * 128 * (576 + 512)
+    assert c.bytes == 128 * 576 * 2 + _q_out_bytes(2, 16, 576)
+
+
+def test_floor_and_rates():
+    ceilings = Ceilings(copy_gbps=1000.0, matmul_tflops=100.0, copy_label="", matmul_label="")
+    c = model.Cost(flops=1e12, bytes=1e9)  # 10 ms of matmul, 1 ms of copy
+    assert model.floor_us(c, ceilings) == (pytest.approx(10_000.0), "compute")
+    r = model.rates(c, 20_000.0, ceilings)
+    assert (r.tflops, r.gbps) == (pytest.approx(50.0), pytest.approx(50.0))
+    assert (r.frac_of_floor, r.ratio_to_matmul, r.ratio_to_copy) == (
+        pytest.approx(0.5), pytest.approx(0.5), pytest.approx(0.05))
+    assert model.floor_us(model.Cost(flops=1.0, bytes=1e9), ceilings)[1] == "memory"
+
+
+def test_quantiles():
+    t = summarize([5.0, 1.0, 3.0, 2.0, 4.0], "wall-clock")
+    assert (t.median_us, t.p20_us, t.p80_us, t.reps) == (3.0, pytest.approx(1.8), pytest.approx(4.2), 5)
+
+
+# ---------------------------------------------------------------- shapes
+
+def test_parse_shape():
+    case = suites.parse_shape("sparse_decode:b=2,h_q=64,s_k=256,topk=128,fmt=V41_FP8,sink=true")
+    assert case.params["fmt"] == "V41_FP8" and case.params["sink"] is True and case.params["page"] == 64
+    assert suites.parse_shape(case.spec()).params == case.params
+    for bad, message in (("attention:b=1", "op"), ("dense_decode:b=1,s_k=2", "needs h_q"),
+                         ("dense_decode:b=1,h_q=2,s_k=2,warp=3", "warp"), ("sparse_decode:fmt=FP7", "FP7")):
+        with pytest.raises(ValueError, match=message):
+            suites.parse_shape(bad)
+
+
+def test_every_suite_builds_valid_cases():
+    for name in suites.suite_names():
+        assert suites.suite_cases(name), name
+    with pytest.raises(ValueError, match="unknown suite"):
+        suites.suite_cases("nope")
+
+
+# ---------------------------------------------------------------- the correctness gate
+
+class _WrongBackend(ReferenceBackend):
+    """The reference with its output shifted: the gate must call it wrong and never time it."""
+
+    name = "wrong_for_test"
+    calls = 0
+
+    def run(self, problem):
+        type(self).calls += 1
+        out, *rest = super().run(problem)
+        return (out + 0.25, *rest)
+
+
+class _RaisingBackend(ReferenceBackend):
+    name = "raising_for_test"
+
+    def run(self, problem):
+        raise RuntimeError("deliberate failure")
+
+
+class _GpuOnlyBackend(ReferenceBackend):
+    name = "gpu_only_for_test"
+    device_types = ("cuda",)
+
+    def unavailable_reasons(self, device):
+        return super(ReferenceBackend, self).unavailable_reasons(device)
+
+
+@pytest.fixture
+def test_backends():
+    added = [_WrongBackend(), _RaisingBackend(), _GpuOnlyBackend()]
+    for b in added:
+        anymla.register_backend(b)
+    _WrongBackend.calls = 0
+    yield [b.name for b in added]
+    for b in added:
+        anymla.unregister_backend(b.name)
+    clear_decision_cache()
+
+
+def test_gate_rejects_wrong_failing_and_unsupported_backends(test_backends):
+    outcome = runner.run_case("test", TINY_DENSE, ["reference"] + test_backends, Timer(CPU, 1))
+    status = {r.backend: r for r in outcome.results}
+    assert status["reference"].status == runner.OK and status["reference"].timing is not None
+    assert status["wrong_for_test"].status == runner.WRONG and status["wrong_for_test"].timing is None
+    assert "dense_decode.out" in status["wrong_for_test"].note
+    assert _WrongBackend.calls == 1  # the gate's call only: a wrong backend is never timed
+    assert status["raising_for_test"].status == runner.ERROR and "deliberate failure" in status["raising_for_test"].note
+    assert status["gpu_only_for_test"].status == runner.UNSUPPORTED and "cuda" in status["gpu_only_for_test"].note
+    assert outcome.fastest == "reference"
+
+
+# ---------------------------------------------------------------- CSV, tuning
+
+def _outcomes(backends):
+    timer = Timer(CPU, 1)
+    return [runner.run_case("test", case, backends, timer, tolerance_scale=2.0)
+            for case in (TINY_DENSE, suites.Case("tiny-sparse", "sparse_decode",
+                                                  dict(b=1, h_q=16, s_k=128, topk=64)))]
+
+
+def test_csv_has_one_row_per_shape_and_backend(tmp_path):
+    backends = anymla.available_backends(CPU)
+    outcomes = _outcomes(backends)
+    ceilings = Ceilings(10.0, 0.1, "test copy", "test matmul")
+    info = describe(CPU)
+    path = tmp_path / "results.csv"
+    report.write_csv(str(path), report.csv_rows(outcomes, info, ceilings))
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    required = {"timestamp", "device", "device_name", "torch", "triton", "anymla", "suite", "op", "shape",
+                "backend", "status", "median_us", "p20_us", "p80_us", "reps", "flops", "bytes", "tflops", "gbps",
+                "floor_us", "frac_of_floor", "copy_gbps", "matmul_tflops", "ratio_to_matmul", "ratio_to_copy",
+                "dispatcher_choice", "fastest"}
+    assert required <= set(rows[0])
+    assert [(r["case"], r["backend"]) for r in rows] == [(o.case.name, b) for o in outcomes for b in backends]
+    for r in rows:
+        assert r["status"] == "ok", r["note"]
+        assert float(r["median_us"]) > 0 and float(r["tflops"]) > 0 and r["shape"].startswith(r["op"])
+        assert r["dispatcher_choice"] in backends and r["fastest"] in backends
+
+
+def test_tune_writes_a_file_the_dispatcher_reads(tmp_path):
+    outcomes = _outcomes(["reference"])
+    path = str(tmp_path / "tuning.json")
+    written = tune.write_tuning(path, outcomes, describe(CPU))
+    assert len(written) == 2 and set(written.values()) == {"reference"}
+    with open(path) as f:
+        assert json.load(f)["choices"] == written
+    fn, args = suites.build_inputs(TINY_DENSE, CPU)
+    try:
+        load_tuning(path)
+        decision = anymla.explain(fn, **args)
+        assert (decision.backend, decision.source) == ("reference", "tuned")
+    finally:
+        load_tuning(None)
+    assert anymla.explain(fn, **args).source == "auto"
+
+
+# ---------------------------------------------------------------- the command line
+
+def test_cli_quick_suite_end_to_end(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "anymla.bench", "--suite", "quick", "--reps", "1", "--out", str(out),
+           "--shape", "dense_decode:b=1,h_q=16,s_k=128", "--baseline", "reference", "--target", "triton"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = done.stdout[done.stdout.index("wrote "):]  # the table comes after the files are written
+    for text in ("== quick ==", "== cli ==", "median µs", "dispatcher picks", "interpreter", "A/B: triton vs reference"):
+        assert text in table
+    assert {"results.csv", "quick.png", "cli.png", "summary.md"} <= set(os.listdir(out))
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == (len(suites.suite_cases("quick")) + 1) * 2
+    assert (out / "quick.png").read_bytes()[:4] == b"\x89PNG"
