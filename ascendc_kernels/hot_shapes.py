@@ -28,7 +28,8 @@ def _common_reasons(q: torch.Tensor, tokens: int, topk_total: int) -> list[str]:
         reasons.append(f"q: the kernel serves d_qk = {D_QK} (DeepSeek V4.1), got d_qk = {d}")
     h_q = q.shape[-2]
     if h_q % HEADS_PER_TILE or h_q == 0:
-        reasons.append(f"q: h_q must be a positive multiple of {HEADS_PER_TILE} (the kernel's head tile), got h_q = {h_q}")
+        reasons.append(f"q: h_q must be a positive multiple of {HEADS_PER_TILE} (the kernel's head tile), "
+                       f"got h_q = {h_q}")
     elif tokens * (h_q // HEADS_PER_TILE) > _UINT32_MAX:
         reasons.append(f"q: {tokens} tokens x {h_q // HEADS_PER_TILE} head tiles exceed the kernel's uint32 work count")
     if topk_total == 0:
@@ -56,8 +57,8 @@ def _decode_reasons(p) -> list[str]:
                        f"({p.k_cache.shape[-1]} per token)")
     extra = p.extra_fmt
     if extra is not None and extra not in _EXTRA_FORMATS:
-        reasons.append(f"extra_k_cache: the kernel reads a V4.1 FP8 (528 B) or FP4 (288 B) extra cache, got {extra.name} "
-                       f"({p.extra_k_cache.shape[-1]} per token)")
+        reasons.append(f"extra_k_cache: the kernel reads a V4.1 FP8 (528 B) or FP4 (288 B) extra cache, "
+                       f"got {extra.name} ({p.extra_k_cache.shape[-1]} per token)")
     return reasons
 
 

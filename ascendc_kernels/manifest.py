@@ -79,7 +79,8 @@ def kernel_status(kernel: str, manifest: dict | None = None) -> tuple[bool, str]
         return False, (f"kernel {kernel} is unverified: no run on Ascend hardware is recorded in "
                        f"{MANIFEST_PATH.name}")
     run = entry["hardware_run"]
-    return True, f"kernel {kernel} verified on {run['soc']} (CANN {run['cann']}, torch_npu {run['torch_npu']}, {run['date']})"
+    return True, (f"kernel {kernel} verified on {run['soc']} (CANN {run['cann']}, torch_npu {run['torch_npu']}, "
+                  f"{run['date']})")
 
 
 def stale_kernels(manifest: dict | None = None) -> list[str]:
@@ -102,10 +103,12 @@ def update_hashes() -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m anymla.ascendc_kernels.manifest", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m anymla.ascendc_kernels.manifest",
+                                     description=__doc__.split("\n")[0])
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument("--check", action="store_true", help="exit 1 if a recorded source hash is stale")
-    action.add_argument("--update-hash", action="store_true", help="record current hashes (changed kernels -> unverified)")
+    action.add_argument("--update-hash", action="store_true",
+                        help="record current hashes (changed kernels -> unverified)")
     args = parser.parse_args(argv)
     if args.update_hash:
         changed = update_hashes()

@@ -13,13 +13,10 @@ from pathlib import Path
 
 import torch
 
-from . import manifest
-
 ENV_LIBRARY = "ANYMLA_ASCENDC_LIB"
 ENV_ALLOW_UNVERIFIED = "ANYMLA_ASCENDC_ALLOW_UNVERIFIED"
 # Where sparse_attention_v41/CMakeLists.txt installs the library (next to this package).
 DEFAULT_LIBRARY = Path(__file__).resolve().parent / "lib" / "libanymla_ascendc.so"
-KERNELS = tuple(manifest.KERNEL_SOURCES)
 BUILT_FOR = ("Ascend950",)  # SoC families the kernels are compiled for (--npu-arch=dav-3510)
 
 
@@ -48,7 +45,8 @@ def unavailable_reasons(device: torch.device) -> list[str]:
         reasons.append(f"the extension library is not built: {path} does not exist (build "
                        f"ascendc_kernels/sparse_attention_v41 with CANN, or set {ENV_LIBRARY})")
     if os.environ.get(ENV_ALLOW_UNVERIFIED) != "1":
-        for kernel in KERNELS:
+        from . import manifest  # imported here so `python -m anymla.ascendc_kernels.manifest` runs cleanly
+        for kernel in manifest.KERNEL_SOURCES:
             verified, why = manifest.kernel_status(kernel)
             if not verified:
                 reasons.append(f"{why}; set {ENV_ALLOW_UNVERIFIED}=1 to run it anyway")

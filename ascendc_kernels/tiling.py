@@ -38,7 +38,7 @@ VECTOR_CORES_PER_CUBE = 2
 HEADS_PER_VECTOR_CORE = HEADS_PER_TILE // VECTOR_CORES_PER_CUBE  # O / softmax rows owned by one AIV
 KEYS_PER_VECTOR_CORE = B_TOPK // VECTOR_CORES_PER_CUBE  # keys of each block one AIV gathers
 RESCALE_THRESHOLD = 6.0  # skip-scale threshold, natural log units of the scaled logits
-ROW_STATE_VECTORS = 10  # m_run[2], m_use[2], l[2], alpha[2], row max, row sum
+ROW_STATE_VECTORS = 12  # m_run[2], m_use[2], l[2], alpha[2], row max, row sum, sink, scale
 MAILBOX_SLOTS = 8  # ring of per-block skip-scale bits (vector -> cube), see the kernel
 MAILBOX_ENTRY_BYTES = 64  # one cache line per (slot, vector core): no false sharing between writers
 
@@ -265,7 +265,7 @@ def _ub_buffers(shape: KernelShape, gather_chunk: int, drain_chunk: int) -> list
         Buffer("UB", "probs_nz[0]", rows * B_TOPK * 2),
         Buffer("UB", "probs_nz[1]", rows * B_TOPK * 2),
         # m_run, m_use, l (per unit parity: a unit's epilogue overlaps the next unit's first softmax),
-        # alpha (per block parity), row max, row sum: 64 floats each (one 256 B vector repeat)
+        # alpha (per block parity), row max, row sum, sink, scale: 64 floats each (one 256 B vector repeat)
         Buffer("UB", "row_state", ROW_STATE_VECTORS * 64 * 4),
         Buffer("UB", "row_broadcast (one 32 B block per row)", HEADS_PER_VECTOR_CORE * _UB_ALIGN),
         Buffer("UB", "key_bias (0 / -inf per key, 2 stages)", 2 * B_TOPK * 4),

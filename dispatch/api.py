@@ -1,8 +1,9 @@
 """The public, FlashMLA-compatible functions. Each builds a problem record and hands it to the dispatcher.
 
 The path of a call: public function -> :mod:`anymla.problems` record -> :func:`anymla.selection.select`
-(validate once per signature, pick a backend) -> ``backend.run(problem)``. Under ``torch.compile`` the same
-decision is made at trace time and the call goes through the ``torch.ops.anymla`` custom ops instead.
+(validate once per signature, pick a backend) -> ``backend.run(problem)``. Under ``torch.compile`` the call
+becomes one ``torch.ops.anymla`` custom op (see :mod:`anymla.library_ops`) that takes this same path when
+the compiled graph runs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from .kvcache import detect_format
 from .metadata import FlashMLASchedMeta
 from .problems import HEAD_DIM_V, DenseDecode, SparseDecode, SparsePrefill
+from . import library_ops  # noqa: F401  (registers torch.ops.anymla.*)
 from .selection import BackendChoice, Decision, select
 
 __all__ = ["flash_mla_with_kvcache", "flash_mla_sparse_fwd", "explain"]
@@ -33,9 +35,6 @@ def _execute(problem, backend: BackendChoice, config: Optional[FlashMLASchedMeta
         raise _Explained(decision)
     if config is not None and problem.sched is not None:
         problem.sched.bind(config)
-    if torch.compiler.is_compiling():
-        from . import library_ops
-        return library_ops.call(problem, decision.backend)
     return decision.impl.run(problem)
 
 
@@ -70,6 +69,9 @@ def flash_mla_sparse_fwd(
         lse ``[s_q, h_q]`` fp32 (natural log). A token with no valid index gets out 0, max_logits -inf,
         lse +inf.
     """
+    if torch.compiler.is_compiling():
+        return torch.ops.anymla.sparse_prefill(q, kv, indices, float(sm_scale), d_v, attn_sink, topk_length,
+                                               _backend_arg(backend))
     return _execute(SparsePrefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length), backend)
 
 
@@ -132,6 +134,10 @@ def flash_mla_with_kvcache(
                         f"got {type(tile_scheduler_metadata).__name__}")
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
+    if torch.compiler.is_compiling():
+        return _compiled_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
+                                attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length,
+                                enable_batch_invariant, backend)
     if indices is None:
         for name, value in (("topk_length", topk_length), ("extra_k_cache", extra_k_cache),
                             ("extra_indices_in_kvcache", extra_indices_in_kvcache),
@@ -153,6 +159,23 @@ def flash_mla_with_kvcache(
     config = _config(problem, k_cache, False, True, indices, extra_k_cache, extra_indices_in_kvcache) \
         if tile_scheduler_metadata is not None else None
     out, lse = _execute(problem, backend, config)
+    return out, lse.transpose(1, 2)
+
+
+def _backend_arg(backend: BackendChoice) -> str:
+    """Custom ops take the explicit choice as a string; "" selects at run time, inside the op."""
+    return "" if backend is None else (backend if isinstance(backend, str) else ",".join(backend))
+
+
+def _compiled_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, attn_sink,
+                     extra_k_cache, extra_indices, topk_length, extra_topk_length, batch_invariant, backend):
+    """Decoding under torch.compile: one opaque custom op (no scheduling metadata; plans are per call)."""
+    if indices is None:
+        return torch.ops.anymla.dense_decode(q, k_cache, block_table, cache_seqlens, float(softmax_scale), head_dim_v,
+                                             bool(causal), attn_sink, bool(batch_invariant), _backend_arg(backend))
+    out, lse = torch.ops.anymla.sparse_decode(q, k_cache, indices, float(softmax_scale), head_dim_v, attn_sink,
+                                              topk_length, extra_k_cache, extra_indices, extra_topk_length,
+                                              bool(batch_invariant), _backend_arg(backend))
     return out, lse.transpose(1, 2)
 
 

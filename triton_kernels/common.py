@@ -1,8 +1,8 @@
 """Triton building blocks shared by the MLA kernels: latent-row loaders for every cache format, the
 skip-scale online-softmax step, and the epilogues (final outputs, or split partials for the combine).
 
-Conventions. A latent row is ``[0, 512)`` (two 256-wide halves, also the V rows) plus, for d_qk = 576, a
-64-wide rope tail. Logits live in the log2 domain (``sm_scale * log2(e)`` is folded into one multiplier);
+Conventions. A latent row is ``[0, 512)`` (loaded as one [BLOCK_N, 512] tile: K and, unchanged, V) plus,
+for d_qk = 576, a 64-wide rope tail. Logits live in the log2 domain (``sm_scale * log2(e)`` is folded into one multiplier);
 masked logits hold the finite sentinel ``NEG`` and masked probabilities are forced to 0, so a block whose
 keys are all invalid can never produce NaN. Rows that are invalid load as zeros (``other=0``), so NaN in
 memory the call must not read cannot reach a product.
@@ -56,44 +56,41 @@ def e8m0_to_f32(b):
 
 @triton.jit
 def _scaled(q, scales, TILE: tl.constexpr):
-    """``q [BN, 256] * scales [BN, 256 // TILE]`` broadcast over tiles of TILE columns (scales stay small:
-    a per-element scale gather would be staged through shared memory as a [BN, 256] tile)."""
+    """``q [BN, 512] * scales [BN, 512 // TILE]`` broadcast over tiles of TILE columns (scales stay small:
+    a per-element scale gather would be staged through shared memory as a [BN, 512] tile)."""
     bn: tl.constexpr = q.shape[0]
-    per_row: tl.constexpr = 256 // TILE
-    return tl.reshape(tl.reshape(q, (bn, per_row, TILE)) * scales[:, :, None], (bn, 256))
+    per_row: tl.constexpr = 512 // TILE
+    return tl.reshape(tl.reshape(q, (bn, per_row, TILE)) * scales[:, :, None], (bn, 512))
 
 
 @triton.jit
-def load_latent_half(kv_ptr, row, srow, valid, half: tl.constexpr, FMT: tl.constexpr, DTYPE: tl.constexpr,
-                     NATIVE_FP8: tl.constexpr):
-    """Columns ``[256*half, 256*half + 256)`` of the latent rows whose data starts at ``row`` and whose
+def load_latent(kv_ptr, row, srow, valid, FMT: tl.constexpr, DTYPE: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """The 512 leading columns (the V part) of the latent rows whose data starts at ``row`` and whose
     scales start at ``srow`` (element offsets for BF16, byte offsets otherwise; see ``row_offsets``)."""
-    c = tl.arange(0, 256)
+    col = tl.arange(0, 512)
     m = valid[:, None]
-    col = half * 256 + c
     if FMT == FMT_BF16:
         k = tl.load(kv_ptr + row[:, None] + col[None, :], mask=m, other=0.0)
     elif FMT == FMT_V32_FP8:
         q = e4m3_to_f32(tl.load(kv_ptr + row[:, None] + col[None, :], mask=m, other=0), NATIVE_FP8)
-        s_ptr = (kv_ptr + srow).to(tl.pointer_type(tl.float32)) + 2 * half
-        s = tl.load(s_ptr[:, None] + tl.arange(0, 2)[None, :], mask=m, other=0.0)
+        s_ptr = (kv_ptr + srow).to(tl.pointer_type(tl.float32))
+        s = tl.load(s_ptr[:, None] + tl.arange(0, 4)[None, :], mask=m, other=0.0)
         k = _scaled(q, s, 128).to(DTYPE)
     elif FMT == FMT_V41_FP8:
         q = e4m3_to_f32(tl.load(kv_ptr + row[:, None] + col[None, :], mask=m, other=0), NATIVE_FP8)
-        s = e8m0_to_f32(tl.load(kv_ptr + srow[:, None] + 8 * half + tl.arange(0, 8)[None, :], mask=m, other=0))
+        s = e8m0_to_f32(tl.load(kv_ptr + srow[:, None] + tl.arange(0, 16)[None, :], mask=m, other=0))
         k = _scaled(q, s, 32).to(DTYPE)
     elif FMT == FMT_V41_FP4:
-        byte = tl.load(kv_ptr + row[:, None] + 128 * half + tl.arange(0, 128)[None, :], mask=m, other=0)
+        byte = tl.load(kv_ptr + row[:, None] + tl.arange(0, 256)[None, :], mask=m, other=0)
         # element 2i sits in the low nibble of byte i, element 2i + 1 in the high nibble
-        v = tl.reshape(tl.join(e2m1_to_f32(byte & 0xF), e2m1_to_f32(byte >> 4)), (byte.shape[0], 256))
-        s = e4m3_to_f32(tl.load(kv_ptr + srow[:, None] + 16 * half + tl.arange(0, 16)[None, :], mask=m, other=0),
-                        NATIVE_FP8)
+        v = tl.reshape(tl.join(e2m1_to_f32(byte & 0xF), e2m1_to_f32(byte >> 4)), (byte.shape[0], 512))
+        s = e4m3_to_f32(tl.load(kv_ptr + srow[:, None] + tl.arange(0, 32)[None, :], mask=m, other=0), NATIVE_FP8)
         k = _scaled(v, s, 16).to(DTYPE)
     else:
         # MODEL1: [0, 448) e4m3 with e8m0 scales per 64 (7 per row), then [448, 512) bf16 rope at byte 448.
         is_fp8 = col < 448
         q = e4m3_to_f32(tl.load(kv_ptr + row[:, None] + col[None, :], mask=m & is_fp8[None, :], other=0), NATIVE_FP8)
-        t = 4 * half + tl.arange(0, 4)
+        t = tl.arange(0, 8)
         s = e8m0_to_f32(tl.load(kv_ptr + srow[:, None] + t[None, :], mask=m & (t < 7)[None, :], other=0))
         rope_ptr = (kv_ptr + row + 448).to(tl.pointer_type(tl.bfloat16))
         r = tl.load(rope_ptr[:, None] + (col - 448)[None, :], mask=m & (~is_fp8)[None, :], other=0.0)
@@ -143,16 +140,16 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def attend_block(q0, q1, qr, k0, k1, kr, mask, scale_log2, m_run, m_use, l, acc0, acc1,
+def attend_block(q, qr, k, kr, mask, scale_log2, m_run, m_use, l, acc,
                  HAS_ROPE: tl.constexpr, SKIP_SCALE: tl.constexpr, INTERPRET: tl.constexpr):
     """One key block of the skip-scale online softmax (FlashMLA's Ascend design, in the log2 domain).
 
-    ``m_run`` is the true running max, ``m_use`` the lagging max the exponentials use; the accumulator is
-    rescaled only when ``m_run - m_use`` exceeds the threshold in some row (block-uniform branch), so
-    ``p = 2^(s - m_use) <= 2^threshold``. ``mask [BH, BN]`` marks attendable (row, key) pairs.
+    ``k [BN, 512]`` serves as K (with the rope tail ``kr``) and as V. ``m_run`` is the true running max,
+    ``m_use`` the lagging max the exponentials use; the accumulator is rescaled only when ``m_run - m_use``
+    exceeds the threshold in some row (block-uniform branch), so ``p = 2^(s - m_use) <= 2^threshold``.
+    ``mask [BH, BN]`` marks attendable (row, key) pairs.
     """
-    s = _dot(q0, tl.trans(k0), tl.zeros((q0.shape[0], k0.shape[0]), tl.float32), INTERPRET)
-    s = _dot(q1, tl.trans(k1), s, INTERPRET)
+    s = _dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), tl.float32), INTERPRET)
     if HAS_ROPE:
         s = _dot(qr, tl.trans(kr), s, INTERPRET)
     s = tl.where(mask, s * scale_log2, NEG)
@@ -160,33 +157,28 @@ def attend_block(q0, q1, qr, k0, k1, kr, mask, scale_log2, m_run, m_use, l, acc0
     if SKIP_SCALE:
         if tl.max(m_new - m_use, 0) > RESCALE_THRESHOLD_LOG2:
             alpha = tl.exp2(m_use - m_new)
-            acc0 = acc0 * alpha[:, None]
-            acc1 = acc1 * alpha[:, None]
+            acc = acc * alpha[:, None]
             l = l * alpha
             m_use = m_new
     else:
         alpha = tl.exp2(m_use - m_new)
-        acc0 = acc0 * alpha[:, None]
-        acc1 = acc1 * alpha[:, None]
+        acc = acc * alpha[:, None]
         l = l * alpha
         m_use = m_new
     p = tl.where(mask, tl.exp2(s - m_use[:, None]), 0.0)
     l += tl.sum(p, 1)
     if INTERPRET:
-        acc0 = _dot(p, k0, acc0, INTERPRET)
-        acc1 = _dot(p, k1, acc1, INTERPRET)
+        acc = _dot(p, k, acc, INTERPRET)
     else:
-        p = p.to(k0.dtype)
-        acc0 = tl.dot(p, k0, acc0)
-        acc1 = tl.dot(p, k1, acc1)
-    return m_new, m_use, l, acc0, acc1
+        acc = tl.dot(p.to(k.dtype), k, acc)
+    return m_new, m_use, l, acc
 
 
 @triton.jit
 def store_result(out_ptr, out_row, lse_ptr, lse_row, max_ptr, max_row, row_mask, sink_ptr, head,
-                 m_run, m_use, l, acc0, acc1, HAS_SINK: tl.constexpr, WRITE_MAX: tl.constexpr):
-    """Normalize and store ``out`` (two 256 halves), natural-log ``lse`` and ``max_logits`` for rows
-    ``row_mask``; empty rows get out 0, lse +inf, max -inf. The sink factor is ``1 / (1 + e^(sink - lse))``."""
+                 m_run, m_use, l, acc, HAS_SINK: tl.constexpr, WRITE_MAX: tl.constexpr):
+    """Normalize and store ``out``, natural-log ``lse`` and ``max_logits`` for rows ``row_mask``; empty rows
+    get out 0, lse +inf, max -inf. The sink factor is ``1 / (1 + e^(sink - lse))``."""
     empty = l == 0.0
     l_safe = tl.where(empty, 1.0, l)
     lse2 = m_use + tl.log2(l_safe)
@@ -195,69 +187,56 @@ def store_result(out_ptr, out_row, lse_ptr, lse_row, max_ptr, max_row, row_mask,
         sink = tl.load(sink_ptr + head, mask=row_mask, other=float("-inf"))
         scale = scale / (1.0 + tl.exp2(sink * LOG2E - lse2))
     scale = tl.where(empty, 0.0, scale)
-    c = tl.arange(0, 256)
-    m2 = row_mask[:, None]
-    ty = out_ptr.dtype.element_ty
-    tl.store(out_ptr + out_row[:, None] + c[None, :], (acc0 * scale[:, None]).to(ty), mask=m2)
-    tl.store(out_ptr + out_row[:, None] + 256 + c[None, :], (acc1 * scale[:, None]).to(ty), mask=m2)
+    c = tl.arange(0, 512)
+    tl.store(out_ptr + out_row[:, None] + c[None, :], (acc * scale[:, None]).to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None])
     tl.store(lse_ptr + lse_row, tl.where(empty, float("inf"), lse2 * LN2), mask=row_mask)
     if WRITE_MAX:
         tl.store(max_ptr + max_row, tl.where(empty, float("-inf"), m_run * LN2), mask=row_mask)
 
 
 @triton.jit
-def store_partial(po_ptr, po_row, plse_ptr, plse_row, row_mask, m_use, l, acc0, acc1):
+def store_partial(po_ptr, po_row, plse_ptr, plse_row, row_mask, m_use, l, acc):
     """A split's normalized partial output (fp32) and its log2-domain lse (-inf when the split is empty)."""
     empty = l == 0.0
     l_safe = tl.where(empty, 1.0, l)
     inv = tl.where(empty, 0.0, 1.0 / l_safe)
-    c = tl.arange(0, 256)
-    m2 = row_mask[:, None]
-    tl.store(po_ptr + po_row[:, None] + c[None, :], acc0 * inv[:, None], mask=m2)
-    tl.store(po_ptr + po_row[:, None] + 256 + c[None, :], acc1 * inv[:, None], mask=m2)
+    c = tl.arange(0, 512)
+    tl.store(po_ptr + po_row[:, None] + c[None, :], acc * inv[:, None], mask=row_mask[:, None])
     tl.store(plse_ptr + plse_row, tl.where(empty, float("-inf"), m_use + tl.log2(l_safe)), mask=row_mask)
 
 
 @triton.jit
 def combine_kernel(po_ptr, plse_ptr, out_ptr, lse_ptr, sink_ptr, num_splits, num_heads, tokens_per_batch,
                    so_b, so_i, so_h, sl_b, sl_i, sl_h,
-                   HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SPLITS: tl.constexpr):
+                   HAS_SINK: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SPLITS: tl.constexpr):
     """Merge split partials ``po [T, S, H, 512]`` / ``plse [T, S, H]`` (log2) into out and natural lse.
 
-    Grid ``(T, cdiv(H, BLOCK_H), 512 // BLOCK_D)``. Empty splits (lse -inf) get weight 0 and are never read;
-    a token whose splits are all empty gets out 0 and lse +inf. Output token t = (b, i) with
-    ``b = t // tokens_per_batch`` addresses ``out`` and ``lse`` through the given strides.
+    Grid ``(T * H, 512 // BLOCK_D)``: every split of one (token, head, column block) is loaded at once, so
+    the merge costs one round trip to memory however many splits there are. Empty splits (lse -inf) get
+    weight 0 and are never read; a token whose splits are all empty gets out 0 and lse +inf. Output token
+    ``t`` is ``(b, i) = divmod(t, tokens_per_batch)`` and addresses ``out`` / ``lse`` through their strides.
     """
-    t = tl.program_id(0)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    hm = h < num_heads
+    t = tl.program_id(0) // num_heads
+    h = tl.program_id(0) % num_heads
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     s = tl.arange(0, MAX_SPLITS)
-    sm = s < num_splits
     t64 = t.to(tl.int64)
-    lse_s = tl.load(plse_ptr + (t64 * num_splits + s[:, None]) * num_heads + h[None, :],
-                    mask=sm[:, None] & hm[None, :], other=float("-inf"))  # [S, BH]
+    row = (t64 * num_splits + s) * num_heads + h
+    lse_s = tl.load(plse_ptr + row, mask=s < num_splits, other=float("-inf"))
     m = tl.max(lse_s, 0)
     has = m > float("-inf")
     m_safe = tl.where(has, m, 0.0)
-    w = tl.exp2(lse_s - m_safe[None, :])  # 0 for empty splits
+    w = tl.exp2(lse_s - m_safe)  # 0 for empty splits
     total = tl.sum(w, 0)
     lse2 = m_safe + tl.log2(tl.where(has, total, 1.0))
     inv = tl.where(has, 1.0 / tl.where(has, total, 1.0), 0.0)
     if HAS_SINK:
-        sink = tl.load(sink_ptr + h, mask=hm, other=float("-inf"))
-        inv = inv / (1.0 + tl.exp2(sink * LOG2E - lse2))
-    acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
-    for i in range(0, num_splits):
-        wi = tl.sum(tl.where(s[:, None] == i, w, 0.0), 0)
-        live = hm & (wi > 0.0)
-        o = tl.load(po_ptr + ((t64 * num_splits + i) * num_heads + h[:, None]) * 512 + d[None, :],
-                    mask=live[:, None], other=0.0)
-        acc += o * wi[:, None]
+        inv = inv / (1.0 + tl.exp2(tl.load(sink_ptr + h) * LOG2E - lse2))
+    o = tl.load(po_ptr + row[:, None] * 512 + d[None, :], mask=(w > 0.0)[:, None], other=0.0)
+    acc = tl.sum(o * w[:, None], 0)
     b = t // tokens_per_batch
     qi = t % tokens_per_batch
-    o_off = b.to(tl.int64) * so_b + qi * so_i + h[:, None] * so_h + d[None, :]
-    tl.store(out_ptr + o_off, (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=hm[:, None])
-    if tl.program_id(2) == 0:
-        l_off = b.to(tl.int64) * sl_b + qi * sl_i + h * sl_h
-        tl.store(lse_ptr + l_off, tl.where(has, lse2 * LN2, float("inf")), mask=hm)
+    tl.store(out_ptr + b.to(tl.int64) * so_b + qi * so_i + h * so_h + d, (acc * inv).to(out_ptr.dtype.element_ty))
+    if tl.program_id(1) == 0:
+        tl.store(lse_ptr + b.to(tl.int64) * sl_b + qi * sl_i + h * sl_h, tl.where(has, lse2 * LN2, float("inf")))

@@ -56,8 +56,8 @@ def combine(plan: SplitPlan, out: torch.Tensor, lse: torch.Tensor, tokens_per_ba
             out_strides: tuple, lse_strides: tuple, sink: Optional[torch.Tensor]) -> None:
     """Merge ``plan``'s partials into ``out`` / ``lse``; ``*_strides`` = strides of (batch, query, head)."""
     tokens, splits, heads = plan.partial_lse.shape
-    block_h, block_d = 16, 128
-    grid = (tokens, triton.cdiv(heads, block_h), 512 // block_d)
+    block_d = 128
+    grid = (tokens * heads, 512 // block_d)
     combine_kernel[grid](plan.partial_out, plan.partial_lse, out, lse, sink, splits, heads, tokens_per_batch,
-                         *out_strides, *lse_strides, HAS_SINK=sink is not None, BLOCK_H=block_h, BLOCK_D=block_d,
+                         *out_strides, *lse_strides, HAS_SINK=sink is not None, BLOCK_D=block_d,
                          MAX_SPLITS=triton.next_power_of_2(splits), num_warps=4)

@@ -10,7 +10,7 @@ query i sees positions ``<= seqlen - s_q + i``.
 import triton
 import triton.language as tl
 
-from ..common import FMT_BF16, NEG, attend_block, load_latent_half, load_latent_rope, store_partial, store_result
+from ..common import FMT_BF16, NEG, attend_block, load_latent, load_latent_rope, store_partial, store_result
 
 
 @triton.jit
@@ -33,14 +33,12 @@ def dense_decode_kernel(
     qi = r // group
     head = g * group + r % group
 
-    c = tl.arange(0, 256)
     q_row = q_ptr + b * sq_b + qi[:, None] * sq_i + head[:, None] * sq_h
-    q0 = tl.load(q_row + c[None, :], mask=row_mask[:, None], other=0.0)
-    q1 = tl.load(q_row + 256 + c[None, :], mask=row_mask[:, None], other=0.0)
+    q = tl.load(q_row + tl.arange(0, 512)[None, :], mask=row_mask[:, None], other=0.0)
     if D_QK == 576:
         qr = tl.load(q_row + 512 + tl.arange(0, 64)[None, :], mask=row_mask[:, None], other=0.0)
     else:
-        qr = q0
+        qr = q
 
     length = tl.load(lens_ptr + b)
     n_blocks = tl.cdiv(length, BLOCK_N)
@@ -52,29 +50,27 @@ def dense_decode_kernel(
     m_run = tl.full((BLOCK_H,), NEG, tl.float32)
     m_use = tl.full((BLOCK_H,), NEG, tl.float32)
     l = tl.zeros((BLOCK_H,), tl.float32)
-    acc0 = tl.zeros((BLOCK_H, 256), tl.float32)
-    acc1 = tl.zeros((BLOCK_H, 256), tl.float32)
+    acc = tl.zeros((BLOCK_H, 512), tl.float32)
     for j in tl.range(j0, j1, num_stages=NUM_STAGES):
         pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = pos < length
         blk = tl.load(bt_ptr + b * sbt_b + pos // page, mask=valid, other=0)
         valid &= (blk >= 0) & (blk < num_blocks)  # a corrupt block table is skipped, never read
         row = tl.where(valid, blk, 0).to(tl.int64) * kv_sb + (pos % page) * kv_sr + g * kv_sg
-        k0 = load_latent_half(kv_ptr, row, row, valid, 0, FMT_BF16, q0.dtype, False)
-        k1 = load_latent_half(kv_ptr, row, row, valid, 1, FMT_BF16, q0.dtype, False)
+        k = load_latent(kv_ptr, row, row, valid, FMT_BF16, q.dtype, False)
         if D_QK == 576:
             kr = load_latent_rope(kv_ptr, row, valid, FMT_BF16)
         else:
-            kr = k0
+            kr = k
         mask = valid[None, :]
         if CAUSAL:
             mask = mask & (pos[None, :] <= last_key[:, None])
-        m_run, m_use, l, acc0, acc1 = attend_block(q0, q1, qr, k0, k1, kr, mask, scale_log2, m_run, m_use, l,
-                                                   acc0, acc1, D_QK == 576, SKIP_SCALE, INTERPRET)
+        m_run, m_use, l, acc = attend_block(q, qr, k, kr, mask, scale_log2, m_run, m_use, l, acc, D_QK == 576,
+                                            SKIP_SCALE, INTERPRET)
 
     if SPLIT:
         prow = ((b * s_q + qi) * num_splits + split) * num_heads + head
-        store_partial(po_ptr, prow * 512, plse_ptr, prow, row_mask, m_use, l, acc0, acc1)
+        store_partial(po_ptr, prow * 512, plse_ptr, prow, row_mask, m_use, l, acc)
     else:
         store_result(out_ptr, b * so_b + qi * so_i + head * so_h, lse_ptr, b * sl_b + qi * sl_i + head * sl_h,
-                     lse_ptr, 0, row_mask, sink_ptr, head, m_run, m_use, l, acc0, acc1, HAS_SINK, False)
+                     lse_ptr, 0, row_mask, sink_ptr, head, m_run, m_use, l, acc, HAS_SINK, False)

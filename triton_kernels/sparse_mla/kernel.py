@@ -1,8 +1,8 @@
 """DeepSeek Sparse Attention in Triton: one kernel for prefill (bf16 kv) and decoding (paged, quantized).
 
 Program ``(token * heads_blocks + head_block, split)`` owns BLOCK_H query heads of one token (and of one
-kv group). Every gathered latent row is loaded (and dequantized) once per program and feeds BLOCK_H heads:
-its 512 leading dims serve as K (with the rope tail) and as V. The keys of a token are its ``topk`` main
+kv group). Every gathered latent row is loaded (and dequantized) once per program as one [BLOCK_N, 512] tile that
+feeds BLOCK_H heads, as K (with the rope tail) and unchanged as V. The keys of a token are its ``topk`` main
 indices followed by its extra-cache indices; with ``num_splits > 1`` each split takes a contiguous range of
 key blocks and writes a partial that ``common.combine_kernel`` merges.
 """
@@ -10,13 +10,12 @@ key blocks and writes a partial that ``common.combine_kernel`` merges.
 import triton
 import triton.language as tl
 
-from ..common import (NEG, attend_block, load_latent_half, load_latent_rope, row_offsets, store_partial,
-                      store_result)
+from ..common import NEG, attend_block, load_latent, load_latent_rope, row_offsets, store_partial, store_result
 
 
 @triton.jit
-def _attend_source(q0, q1, qr, idx_row_ptr, n_keys, blk_begin, blk_end, kv_ptr, stride_block, stride_row,
-                   group_off, page, n_rows, scale_log2, m_run, m_use, l, acc0, acc1,
+def _attend_source(q, qr, idx_row_ptr, n_keys, blk_begin, blk_end, kv_ptr, stride_block, stride_row,
+                   group_off, page, n_rows, scale_log2, m_run, m_use, l, acc,
                    FMT: tl.constexpr, D_QK: tl.constexpr, BLOCK_N: tl.constexpr, SKIP_SCALE: tl.constexpr,
                    NATIVE_FP8: tl.constexpr, INTERPRET: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Attend to key blocks ``[blk_begin, blk_end)`` of one index list into one paged cache."""
@@ -28,15 +27,14 @@ def _attend_source(q0, q1, qr, idx_row_ptr, n_keys, blk_begin, blk_end, kv_ptr, 
         valid = in_list & (idx >= 0) & (idx < n_rows)
         row, srow = row_offsets(tl.where(valid, idx, 0), page, stride_block, stride_row, FMT)
         row += group_off
-        k0 = load_latent_half(kv_ptr, row, srow, valid, 0, FMT, q0.dtype, NATIVE_FP8)
-        k1 = load_latent_half(kv_ptr, row, srow, valid, 1, FMT, q0.dtype, NATIVE_FP8)
+        k = load_latent(kv_ptr, row, srow, valid, FMT, q.dtype, NATIVE_FP8)
         if D_QK == 576:
             kr = load_latent_rope(kv_ptr, row, valid, FMT)
         else:
-            kr = k0
-        m_run, m_use, l, acc0, acc1 = attend_block(q0, q1, qr, k0, k1, kr, valid[None, :], scale_log2, m_run, m_use,
-                                                   l, acc0, acc1, D_QK == 576, SKIP_SCALE, INTERPRET)
-    return m_run, m_use, l, acc0, acc1
+            kr = k
+        m_run, m_use, l, acc = attend_block(q, qr, k, kr, valid[None, :], scale_log2, m_run, m_use, l, acc,
+                                            D_QK == 576, SKIP_SCALE, INTERPRET)
+    return m_run, m_use, l, acc
 
 
 @triton.jit
@@ -60,14 +58,12 @@ def sparse_mla_kernel(
     row_mask = local < heads_per_group
     head = g * heads_per_group + local
 
-    c = tl.arange(0, 256)
     q_row = q_ptr + t * sq_t + head[:, None] * sq_h
-    q0 = tl.load(q_row + c[None, :], mask=row_mask[:, None], other=0.0)
-    q1 = tl.load(q_row + 256 + c[None, :], mask=row_mask[:, None], other=0.0)
+    q = tl.load(q_row + tl.arange(0, 512)[None, :], mask=row_mask[:, None], other=0.0)
     if D_QK == 576:
         qr = tl.load(q_row + 512 + tl.arange(0, 64)[None, :], mask=row_mask[:, None], other=0.0)
     else:
-        qr = q0
+        qr = q
 
     n_main = topk
     if HAS_LEN:
@@ -87,22 +83,21 @@ def sparse_mla_kernel(
     m_run = tl.full((BLOCK_H,), NEG, tl.float32)
     m_use = tl.full((BLOCK_H,), NEG, tl.float32)
     l = tl.zeros((BLOCK_H,), tl.float32)
-    acc0 = tl.zeros((BLOCK_H, 256), tl.float32)
-    acc1 = tl.zeros((BLOCK_H, 256), tl.float32)
-    m_run, m_use, l, acc0, acc1 = _attend_source(
-        q0, q1, qr, idx_ptr + t * si_t + g * si_g, n_main, b0, tl.minimum(b1, nb_main), kv_ptr, kv_sb, kv_sr,
-        g * kv_sg, kv_page, kv_rows, scale_log2, m_run, m_use, l, acc0, acc1,
+    acc = tl.zeros((BLOCK_H, 512), tl.float32)
+    m_run, m_use, l, acc = _attend_source(
+        q, qr, idx_ptr + t * si_t + g * si_g, n_main, b0, tl.minimum(b1, nb_main), kv_ptr, kv_sb, kv_sr,
+        g * kv_sg, kv_page, kv_rows, scale_log2, m_run, m_use, l, acc,
         FMT, D_QK, BLOCK_N, SKIP_SCALE, NATIVE_FP8, INTERPRET, NUM_STAGES)
     if HAS_X:
-        m_run, m_use, l, acc0, acc1 = _attend_source(
-            q0, q1, qr, x_idx_ptr + t * sxi_t, n_x, tl.maximum(b0, nb_main) - nb_main, b1 - nb_main, x_kv_ptr,
-            x_sb, x_sr, 0, x_page, x_rows, scale_log2, m_run, m_use, l, acc0, acc1,
+        m_run, m_use, l, acc = _attend_source(
+            q, qr, x_idx_ptr + t * sxi_t, n_x, tl.maximum(b0, nb_main) - nb_main, b1 - nb_main, x_kv_ptr,
+            x_sb, x_sr, 0, x_page, x_rows, scale_log2, m_run, m_use, l, acc,
             X_FMT, D_QK, BLOCK_N, SKIP_SCALE, NATIVE_FP8, INTERPRET, NUM_STAGES)
 
     if SPLIT:
         prow = (t * num_splits + split) * num_heads + head
-        store_partial(po_ptr, prow * 512, plse_ptr, prow, row_mask, m_use, l, acc0, acc1)
+        store_partial(po_ptr, prow * 512, plse_ptr, prow, row_mask, m_use, l, acc)
     else:
         store_result(out_ptr, t * so_t + head * so_h, lse_ptr, t * num_heads + head, max_ptr, t * num_heads + head,
-                     row_mask, sink_ptr, head, m_run, m_use, l, acc0, acc1, HAS_SINK, WRITE_MAX)
+                     row_mask, sink_ptr, head, m_run, m_use, l, acc, HAS_SINK, WRITE_MAX)
 
