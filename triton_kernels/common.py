@@ -141,18 +141,22 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
 
 @triton.jit
 def attend_block(q, qr, k, kr, mask, scale_log2, m_run, m_use, l, acc,
-                 HAS_ROPE: tl.constexpr, SKIP_SCALE: tl.constexpr, INTERPRET: tl.constexpr):
+                 HAS_ROPE: tl.constexpr, SKIP_SCALE: tl.constexpr, INTERPRET: tl.constexpr, MASKED: tl.constexpr = True):
     """One key block of the skip-scale online softmax (FlashMLA's Ascend design, in the log2 domain).
 
     ``k [BN, 512]`` serves as K (with the rope tail ``kr``) and as V. ``m_run`` is the true running max,
     ``m_use`` the lagging max the exponentials use; the accumulator is rescaled only when ``m_run - m_use``
     exceeds the threshold in some row (block-uniform branch), so ``p = 2^(s - m_use) <= 2^threshold``.
-    ``mask [BH, BN]`` marks attendable (row, key) pairs.
+    ``mask [BH, BN]`` marks attendable (row, key) pairs; with ``MASKED=False`` every pair is attendable
+    (the caller guarantees it) and the mask is ignored.
     """
     s = _dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), tl.float32), INTERPRET)
     if HAS_ROPE:
         s = _dot(qr, tl.trans(kr), s, INTERPRET)
-    s = tl.where(mask, s * scale_log2, NEG)
+    if MASKED:
+        s = tl.where(mask, s * scale_log2, NEG)
+    else:
+        s = s * scale_log2
     m_new = tl.maximum(m_run, tl.max(s, 1))
     if SKIP_SCALE:
         if tl.max(m_new - m_use, 0) > RESCALE_THRESHOLD_LOG2:
@@ -161,11 +165,16 @@ def attend_block(q, qr, k, kr, mask, scale_log2, m_run, m_use, l, acc,
             l = l * alpha
             m_use = m_new
     else:
-        alpha = tl.exp2(m_use - m_new)
+        # Same lagging max per row, chosen with a select instead of a block-wide branch (the multiply by
+        # alpha = 1 for rows that keep their max costs less than the branch's cross-warp reduction on GPUs).
+        m_next = tl.where(m_new - m_use > RESCALE_THRESHOLD_LOG2, m_new, m_use)
+        alpha = tl.exp2(m_use - m_next)
         acc = acc * alpha[:, None]
         l = l * alpha
-        m_use = m_new
-    p = tl.where(mask, tl.exp2(s - m_use[:, None]), 0.0)
+        m_use = m_next
+    p = tl.exp2(s - m_use[:, None])
+    if MASKED:
+        p = tl.where(mask, p, 0.0)
     l += tl.sum(p, 1)
     if INTERPRET:
         acc = _dot(p, k, acc, INTERPRET)

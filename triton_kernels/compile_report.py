@@ -33,6 +33,8 @@ def _signature(kernel, pointer_types: dict, constexprs: dict) -> dict:
     for name in inspect.signature(kernel.fn).parameters:
         if name in constexprs:
             sig[name] = "constexpr"
+        elif name in pointer_types:
+            sig[name] = pointer_types[name]
         elif name.endswith("_ptr"):
             sig[name] = pointer_types.get(name, "*fp32")
         else:
@@ -45,7 +47,7 @@ def _divisibility(kernel, constexprs: dict) -> dict:
     tensors; without this the report would miss vectorized and asynchronous loads."""
     attrs = {}
     for i, name in enumerate(inspect.signature(kernel.fn).parameters):
-        if name not in constexprs and (name.endswith("_ptr") or _STRIDE.fullmatch(name)):
+        if name not in constexprs and (name.endswith("_ptr") or _STRIDE.fullmatch(name)) and "desc" not in name:
             attrs[(i,)] = [["tt.divisibility", 16]]
     return attrs
 
@@ -85,9 +87,14 @@ def sparse_constexprs(tile: TileConfig, d_qk: int, fmt: int, extra_fmt=None, wri
                 INTERPRET=False, NUM_STAGES=tile.num_stages)
 
 
-def dense_constexprs(tile: TileConfig, d_qk: int, causal: bool) -> dict:
-    return dict(D_QK=d_qk, CAUSAL=causal, HAS_SINK=False, SPLIT=False, BLOCK_H=tile.block_h, BLOCK_N=tile.block_n,
-                SKIP_SCALE=tile.skip_scale, INTERPRET=False, NUM_STAGES=tile.num_stages)
+def dense_constexprs(tile: TileConfig, d_qk: int, causal: bool, tma: bool = True) -> dict:
+    return dict(D_QK=d_qk, CAUSAL=causal, HAS_SINK=False, SPLIT=False, USE_TMA=tma, BLOCK_H=tile.block_h,
+                BLOCK_N=tile.block_n, SKIP_SCALE=tile.skip_scale, INTERPRET=False, NUM_STAGES=tile.num_stages)
+
+
+def dense_pointers(tile: TileConfig) -> dict:
+    return {"q_ptr": "*bf16", "out_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "lens_ptr": "*i32",
+            "k_desc": f"tensordesc<bf16[1,{tile.block_n},1,512]>", "r_desc": f"tensordesc<bf16[1,{tile.block_n},1,64]>"}
 
 
 def _sparse_ptrs(fmt: int) -> dict:
@@ -100,14 +107,13 @@ def main() -> None:
     import sys
     from .harness import SWEEP
     only = sys.argv[1] if len(sys.argv) > 1 else ""
-    dense_ptrs = {"q_ptr": "*bf16", "out_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "lens_ptr": "*i32"}
     jobs = [("sparse_prefill d576", sparse_mla_kernel, _sparse_ptrs(0), lambda t: sparse_constexprs(t, 576, 0),
              SWEEP["v32_h128"]),
             ("sparse_decode v32", sparse_mla_kernel, _sparse_ptrs(1), lambda t: sparse_constexprs(t, 576, 1, None, False),
              SWEEP["v32_b128_sq2_h128"]),
             ("sparse_decode v41", sparse_mla_kernel, _sparse_ptrs(3), lambda t: sparse_constexprs(t, 512, 3, 4, False),
              SWEEP["v41_b128_h64_fp4x"]),
-            ("dense_decode", dense_decode_kernel, dense_ptrs, lambda t: dense_constexprs(t, 576, True),
+            ("dense_decode", dense_decode_kernel, dense_pointers, lambda t: dense_constexprs(t, 576, True),
              SWEEP["mem_b128_h16"] + SWEEP["compute_b128_sq2_h128"] + SWEEP["long_b1_h128"])]
     seen = set()
     for label, kernel, ptrs, consts, configs in jobs:
@@ -116,7 +122,7 @@ def main() -> None:
                 continue
             seen.add((label, tile))
             try:
-                r = report(kernel, ptrs, consts(tile), tile.num_warps)
+                r = report(kernel, ptrs(tile) if callable(ptrs) else ptrs, consts(tile), tile.num_warps)
                 print(f"{label:20s} {tile}  regs {r['regs']:3d} spill {r['spill_bytes']:5d} B smem {r['smem']:6d} "
                       f"{'ok' if r['fits'] else 'NO'}  ({r['compile_s']} s)", flush=True)
             except Exception as e:

@@ -47,20 +47,21 @@ SHAPES = {
 # Configurations tried by --sweep, per shape: (tile, forced number of splits or None for the heuristic).
 # (compile_report shows that BLOCK_H 64 with 4 warps spills its [64, 512] fp32 accumulator: not swept.)
 _PREFILL = [(TileConfig(64, bn, 8, st, sk), None) for bn, st, sk in
-            ((64, 2, True), (32, 2, True), (32, 3, True), (64, 3, True), (64, 2, False))]
-_DECODE = [(TileConfig(bh, bn, w, st), None) for bh, bn, w, st in
-           ((64, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 1), (64, 32, 8, 3), (128, 32, 16, 2))]
+            ((64, 2, True), (64, 2, False), (32, 3, True), (32, 3, False), (64, 3, False), (32, 2, False))]
+_DECODE = [(TileConfig(bh, bn, w, st, sk), None) for bh, bn, w, st, sk in
+           ((64, 64, 8, 2, True), (64, 64, 8, 2, False), (64, 64, 8, 1, False), (64, 32, 8, 2, False),
+            (64, 32, 8, 3, False))]
 SWEEP = {
     "v32_h128": _PREFILL, "v4_h64": _PREFILL,
     "v32_b128_sq2_h128": _DECODE, "v32_b64_sq1_h64": _DECODE, "v41_b128_h64_fp4x": _DECODE,
     "mem_b128_h16": [(TileConfig(16, bn, w, st), sp) for bn, w, st, sp in
-                     ((64, 8, 3, None), (32, 4, 4, None), (64, 4, 3, None), (32, 4, 4, 2), (64, 8, 3, 2),
-                      (64, 8, 4, 4))],
+                     ((64, 8, 3, None), (64, 8, 4, None), (32, 4, 4, None), (64, 4, 3, None), (64, 8, 3, 4),
+                      (32, 4, 4, 4), (64, 8, 2, 1))],
     "compute_b128_sq2_h128": [(TileConfig(64, bn, 8, st, sk), None) for bn, st, sk in
-                              ((64, 2, True), (32, 3, True), (32, 2, True), (64, 2, False))],
-    "long_b1_h128": [(TileConfig(bh, bn, w, st), sp) for bh, bn, w, st, sp in
-                     ((64, 64, 8, 2, None), (64, 32, 8, 2, 64), (64, 64, 8, 2, 32), (16, 64, 8, 3, 64),
-                      (16, 32, 4, 4, 128))],
+                              ((64, 2, True), (64, 2, False), (32, 3, False), (32, 2, False), (32, 4, False))],
+    "long_b1_h128": [(TileConfig(bh, bn, w, st, sk), sp) for bh, bn, w, st, sk, sp in
+                     ((64, 64, 8, 2, True, None), (64, 64, 8, 2, False, 64), (64, 32, 8, 3, False, 64),
+                      (64, 64, 8, 2, False, 32), (16, 64, 8, 3, True, 64))],
 }
 
 

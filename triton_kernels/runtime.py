@@ -73,6 +73,14 @@ def num_cores(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def tensor_memory_copies(device: torch.device) -> bool:
+    """TMA tile copies: Hopper and newer; the interpreter emulates them (so CI runs that code path too)."""
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
 def native_fp8(device: torch.device) -> bool:
     """Hardware e4m3 conversion (sm89+). Elsewhere the kernels decode fp8 bytes with bit arithmetic."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)

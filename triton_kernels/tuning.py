@@ -19,7 +19,9 @@ class TileConfig:
     block_n: int  # keys per loop iteration
     num_warps: int
     num_stages: int
-    skip_scale: bool = True  # block-uniform lazy rescale (else rescale every block)
+    # Lazy rescale with a block-uniform branch that skips the multiply when no row needs it (True), or with
+    # a per-row select and an unconditional multiply by alpha (False). Both keep p <= 2^threshold.
+    skip_scale: bool = True
 
 
 _FORCED: dict = {}

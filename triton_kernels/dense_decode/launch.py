@@ -10,6 +10,7 @@ from anymla import buffers
 import triton
 
 from .. import runtime
+from ..tuning import TileConfig
 from ..splits import SplitPlan, choose_num_splits, combine, make_plan
 from ..tuning import dense_config
 from .kernel import dense_decode_kernel
@@ -26,6 +27,21 @@ def _plan(p, rows_per_kv_head: int) -> SplitPlan:
     return make_plan(tile, splits, b * s_q, h_q, p.device)
 
 
+def _descriptors(kv: torch.Tensor, tile: TileConfig, d: int):
+    """TMA descriptors of the cache ([1, BLOCK_N, 1, 512] latent and [.., 64] rope boxes), or (None, None)
+    where the device has no tensor-memory copies or the layout does not allow them."""
+    if not runtime.tensor_memory_copies(kv.device) or kv.shape[1] % tile.block_n:
+        return None, None
+    esize = kv.element_size()
+    if kv.data_ptr() % 16 or any(st * esize % 16 for st in kv.stride()[:-1]) or kv.stride(-1) != 1:
+        return None, None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    shape, strides = list(kv.shape), list(kv.stride())
+    k_desc = TensorDescriptor(kv, shape, strides, [1, tile.block_n, 1, 512])
+    r_desc = TensorDescriptor(kv, shape, strides, [1, tile.block_n, 1, 64]) if d == 576 else None
+    return k_desc, r_desc
+
+
 def dense_decode(p) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense ``flash_mla_with_kvcache`` on the Triton tier (``p``: :class:`anymla.problems.DenseDecode`).
 
@@ -40,14 +56,16 @@ def dense_decode(p) -> tuple[torch.Tensor, torch.Tensor]:
     q, kv = p.q, p.k_cache
     rb = triton.cdiv(rows, tile.block_h)
     grid = (b * h_kv * rb, plan.num_splits)
+    k_desc, r_desc = _descriptors(kv, tile, d)
     dense_decode_kernel[grid](
         q, q.stride(0), q.stride(1), q.stride(2),
-        kv, kv.stride(0), kv.stride(1), kv.stride(2), kv.shape[1], kv.shape[0],
+        kv, k_desc, r_desc, kv.stride(0), kv.stride(1), kv.stride(2), kv.shape[1], kv.shape[0],
         p.block_table, p.block_table.stride(0), p.cache_seqlens,
         p.attn_sink, out, out.stride(0), out.stride(1), out.stride(2), lse, lse.stride(0), lse.stride(2),
         lse.stride(1), plan.partial_out, plan.partial_lse,
         s_q, h_q, h_q // h_kv, h_kv, rb, plan.num_splits, p.sm_scale * math.log2(math.e),
         D_QK=d, CAUSAL=p.causal and s_q > 1, HAS_SINK=p.attn_sink is not None, SPLIT=plan.num_splits > 1,
+        USE_TMA=k_desc is not None,
         BLOCK_H=tile.block_h, BLOCK_N=tile.block_n, SKIP_SCALE=tile.skip_scale, INTERPRET=runtime.interpreting(),
         NUM_STAGES=tile.num_stages, num_warps=tile.num_warps)
     if plan.num_splits > 1:
