@@ -44,24 +44,21 @@ SHAPES = {
     ],
 }
 
-# Configurations tried by --sweep, per shape: (tile, forced number of splits or None for the heuristic).
+# Configurations tried by --sweep, per shape: (tile, forced number of splits or None for the heuristic,
+# forced TMA use or None). Earlier sweeps and their outcomes are recorded in each kernel's NOTES.md.
 # (compile_report shows that BLOCK_H 64 with 4 warps spills its [64, 512] fp32 accumulator: not swept.)
-_PREFILL = [(TileConfig(64, bn, 8, st, sk), None) for bn, st, sk in
-            ((64, 2, True), (64, 2, False), (32, 3, True), (32, 3, False), (64, 3, False), (32, 2, False))]
-_DECODE = [(TileConfig(bh, bn, w, st, sk), None) for bh, bn, w, st, sk in
-           ((64, 64, 8, 2, True), (64, 64, 8, 2, False), (64, 64, 8, 1, False), (64, 32, 8, 2, False),
-            (64, 32, 8, 3, False))]
+# Run 6 of NOTES.md: 128 keys a block (a 64-wide N per warpgroup in q k^T) against the best of run 5, and TMA
+# tiles against gathered rows in the memory-bound regime (each measured twice, interleaved, against noise).
+_PREFILL = [(TileConfig(64, bn, 8, st, False), None, None) for bn, st in ((64, 3), (128, 1))]
+_DECODE = [(TileConfig(64, bn, 8, st, False), None, None) for bn, st in ((64, 1), (128, 1), (64, 2))]
+_MEM = [(TileConfig(16, bn, w, st), sp, tma) for bn, w, st, sp in ((32, 4, 4, 4), (64, 8, 2, 2))
+        for tma in (True, False)]
 SWEEP = {
     "v32_h128": _PREFILL, "v4_h64": _PREFILL,
     "v32_b128_sq2_h128": _DECODE, "v32_b64_sq1_h64": _DECODE, "v41_b128_h64_fp4x": _DECODE,
-    "mem_b128_h16": [(TileConfig(16, bn, w, st), sp) for bn, w, st, sp in
-                     ((64, 8, 3, None), (64, 8, 4, None), (32, 4, 4, None), (64, 4, 3, None), (64, 8, 3, 4),
-                      (32, 4, 4, 4), (64, 8, 2, 1))],
-    "compute_b128_sq2_h128": [(TileConfig(64, bn, 8, st, sk), None) for bn, st, sk in
-                              ((64, 2, True), (64, 2, False), (32, 3, False), (32, 2, False), (32, 4, False))],
-    "long_b1_h128": [(TileConfig(bh, bn, w, st, sk), sp) for bh, bn, w, st, sk, sp in
-                     ((64, 64, 8, 2, True, None), (64, 64, 8, 2, False, 64), (64, 32, 8, 3, False, 64),
-                      (64, 64, 8, 2, False, 32), (16, 64, 8, 3, True, 64))],
+    "mem_b128_h16": _MEM + _MEM,
+    "compute_b128_sq2_h128": [(TileConfig(64, 64, 8, 2, sk), None, None) for sk in (True, False)],
+    "long_b1_h128": [(TileConfig(64, 64, 8, 2, False), sp, None) for sp in (None, 64)],
 }
 
 
@@ -177,10 +174,11 @@ def run(kernels, sweep: bool, reps: int, csv_path) -> list[dict]:
             args = _inputs(kernel, shape, "cuda")
             ref = _reference(kernel, args)
             flops, nbytes = _work(kernel, args)
-            for tile, splits in (SWEEP[name] if sweep else [(None, None)]):
-                row = dict(kernel=kernel, shape=name, tile=str(tile) if tile else "shipped", splits=splits)
+            for tile, splits, tma in (SWEEP[name] if sweep else [(None, None, None)]):
+                row = dict(kernel=kernel, shape=name, tile=(str(tile) if tile else "shipped") + _tma_note(tma),
+                           splits=splits)
                 try:
-                    with tuning.forced(tile, splits):
+                    with tuning.forced(tile, splits, tma):
                         meta, _ = anymla.get_mla_metadata()
                         got = _call(kernel, args, meta)
                         compare_outputs(kernel, got, ref)
@@ -208,6 +206,10 @@ def run(kernels, sweep: bool, reps: int, csv_path) -> list[dict]:
     for r in rows:
         print(_fmt(r))
     return rows
+
+
+def _tma_note(tma) -> str:
+    return "" if tma is None else (" tma" if tma else " gather")
 
 
 def _fmt(r: dict) -> str:

@@ -28,10 +28,10 @@ _FORCED: dict = {}
 
 
 @contextlib.contextmanager
-def forced(tile: Optional["TileConfig"] = None, num_splits: Optional[int] = None):
-    """Pin the tile config and/or split count of every launch inside the block (for sweeps and tests)."""
+def forced(tile: Optional["TileConfig"] = None, num_splits: Optional[int] = None, tma: Optional[bool] = None):
+    """Pin the tile config, split count and/or use of TMA tiles of every launch inside the block (sweeps)."""
     saved = dict(_FORCED)
-    _FORCED.update({k: v for k, v in (("tile", tile), ("num_splits", num_splits)) if v is not None})
+    _FORCED.update({k: v for k, v in (("tile", tile), ("num_splits", num_splits), ("tma", tma)) if v is not None})
     try:
         yield
     finally:
@@ -41,6 +41,10 @@ def forced(tile: Optional["TileConfig"] = None, num_splits: Optional[int] = None
 
 def forced_splits() -> Optional[int]:
     return _FORCED.get("num_splits")
+
+
+def forced_tma() -> Optional[bool]:
+    return _FORCED.get("tma")
 
 
 def _rows_block(rows: int, cap: int) -> int:
@@ -59,7 +63,11 @@ def sparse_config(kind: str, heads_per_group: int, d_qk: int, quantized: bool) -
         return TileConfig(16, 32, 1, 1)
     bh = _rows_block(heads_per_group, 64)
     # BLOCK_H 64 needs 8 warps: its [64, 512] fp32 accumulator alone is 256 registers a thread with 4.
-    return TileConfig(bh, 32, 8, 2) if bh == 64 else TileConfig(bh, 64, 4, 2)
+    # H200 sweep (NOTES.md, 2026-11-29): per-row lazy rescale beats the block-wide branch; quantized caches
+    # do best without prefetch (the dequantized tile already fills shared memory), bf16 with 3 stages.
+    if bh < 64:
+        return TileConfig(bh, 64, 4, 2, False)
+    return TileConfig(64, 64, 8, 1 if quantized else 3, False)
 
 
 def dense_config(kind: str, rows_per_kv_head: int, d_qk: int) -> TileConfig:
@@ -71,4 +79,5 @@ def dense_config(kind: str, rows_per_kv_head: int, d_qk: int) -> TileConfig:
     if kind == "npu":
         return TileConfig(16, 32, 1, 1)
     bh = _rows_block(rows_per_kv_head, 64)
-    return TileConfig(bh, 32, 8, 3) if bh == 64 else TileConfig(bh, 64, 8, 3)
+    # H200 sweep (NOTES.md, 2026-11-29): 64 keys a block with 2 TMA stages for the compute-bound regime.
+    return TileConfig(64, 64, 8, 2, False) if bh == 64 else TileConfig(bh, 32, 4, 4, True)

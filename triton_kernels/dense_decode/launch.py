@@ -10,7 +10,7 @@ from anymla import buffers
 import triton
 
 from .. import runtime
-from ..tuning import TileConfig
+from ..tuning import TileConfig, forced_tma
 from ..splits import SplitPlan, choose_num_splits, combine, make_plan
 from ..tuning import dense_config
 from .kernel import dense_decode_kernel
@@ -30,7 +30,7 @@ def _plan(p, rows_per_kv_head: int) -> SplitPlan:
 def _descriptors(kv: torch.Tensor, tile: TileConfig, d: int):
     """TMA descriptors of the cache ([1, BLOCK_N, 1, 512] latent and [.., 64] rope boxes), or (None, None)
     where the device has no tensor-memory copies or the layout does not allow them."""
-    if not runtime.tensor_memory_copies(kv.device) or kv.shape[1] % tile.block_n:
+    if forced_tma() is False or not runtime.tensor_memory_copies(kv.device) or kv.shape[1] % tile.block_n:
         return None, None
     esize = kv.element_size()
     if kv.data_ptr() % 16 or any(st * esize % 16 for st in kv.stride()[:-1]) or kv.stride(-1) != 1:
