@@ -35,11 +35,17 @@ import sys  # noqa: E402
 
 import torch  # noqa: E402
 
+try:
+    import matplotlib  # noqa: F401
+    import tqdm  # noqa: F401
+except ImportError as missing:
+    raise SystemExit(f"python -m anymla.bench needs matplotlib and tqdm ({missing}): pip install 'anymla[bench]'")
+
 import anymla  # noqa: E402
 from anymla.selection import default_device  # noqa: E402
 
 from . import machine, runner, suites  # noqa: E402
-from .ceilings import measure_ceilings  # noqa: E402
+from .ceilings import better, measure_ceilings  # noqa: E402
 from .plot import plot_suite  # noqa: E402
 from .report import csv_rows, format_table, summary_markdown, write_csv  # noqa: E402
 from .timing import Timer  # noqa: E402
@@ -60,9 +66,10 @@ def _parser() -> argparse.ArgumentParser:
                                                      "device); the reference always runs as the correctness oracle")
     p.add_argument("--baseline", metavar="A", help="A/B: the baseline backend (with --target)")
     p.add_argument("--target", metavar="B", help="A/B: the backend whose speed-up over --baseline is printed")
-    p.add_argument("--tune", metavar="FILE", help="write the fastest correct backend per shape into FILE, the "
-                                                  "tuning file the dispatcher reads (anymla.load_tuning / ANYMLA_TUNING)")
-    p.add_argument("--out", metavar="DIR", default="anymla-bench", help="where results.csv, <suite>.png and "
+    p.add_argument("--tune", metavar="FILE",
+                   help="write the fastest correct backend per shape into FILE, the tuning file the dispatcher "
+                        "reads (anymla.load_tuning / ANYMLA_TUNING)")
+    p.add_argument("--out", metavar="DIR", default="bench_out", help="where results.csv, <suite>.png and "
                                                                          "summary.md go (default: %(default)s)")
     p.add_argument("--reps", type=int, metavar="N",
                    help="timed repetitions per call: at most N on accelerators (default 100, fewer for slow "
@@ -102,6 +109,19 @@ def _plan(args) -> list[tuple]:
     return plan + [("cli", suites.parse_shape(spec)) for spec in args.shape]
 
 
+def _write_reports(out: str, outcomes: list, info, ceilings, ab) -> list[str]:
+    """results.csv, one PNG per suite and summary.md in ``out``; returns their names."""
+    os.makedirs(out, exist_ok=True)
+    suites_run = list(dict.fromkeys(o.suite for o in outcomes))
+    files = ["results.csv"] + [f"{s}.png" for s in suites_run] + ["summary.md"]
+    write_csv(os.path.join(out, files[0]), csv_rows(outcomes, info, ceilings))
+    for suite, png in zip(suites_run, files[1:-1]):
+        plot_suite(os.path.join(out, png), suite, outcomes, info, ceilings)
+    with open(os.path.join(out, files[-1]), "w") as f:
+        f.write(summary_markdown(outcomes, info, ceilings, files, ab))
+    return files
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if (args.baseline is None) != (args.target is None):
@@ -124,15 +144,10 @@ def main(argv=None) -> int:
     ceilings = measure_ceilings(device, timer)
     scale = runner.INTERPRETER_TOLERANCE_SCALE if info.interpreter else 1.0
     outcomes = runner.run(plan, backends, timer, tolerance_scale=scale, seed=args.seed)
+    ceilings = better(ceilings, measure_ceilings(device, timer))
 
-    os.makedirs(args.out, exist_ok=True)
-    files = ["results.csv"] + [f"{s}.png" for s in dict.fromkeys(s for s, _ in plan)] + ["summary.md"]
-    write_csv(os.path.join(args.out, files[0]), csv_rows(outcomes, info, ceilings))
-    for png in files[1:-1]:
-        plot_suite(os.path.join(args.out, png), png[:-4], outcomes, info, ceilings)
     ab = (args.baseline, args.target) if args.baseline else None
-    with open(os.path.join(args.out, files[-1]), "w") as f:
-        f.write(summary_markdown(outcomes, info, ceilings, files, ab))
+    files = _write_reports(args.out, outcomes, info, ceilings, ab)
     print(f"wrote {', '.join(os.path.join(args.out, f) for f in files)}")
     if args.tune:
         chosen = write_tuning(args.tune, outcomes, info)

@@ -25,9 +25,13 @@ HEADERS = ("case", "backend", "status", "median µs", "p20-p80 µs", "TFLOP/s", 
 
 
 def _note(result, info: RunInfo) -> str:
-    if info.interpreter and result.backend == TRITON_TIER and result.status == OK:
-        return "; ".join(filter(None, ["Triton interpreter timing", result.note]))
-    return result.note
+    """The result's note, with how its time was taken when that needs saying."""
+    parts = [result.note]
+    if result.timing is not None:
+        parts.append(result.timing.note)
+        if info.interpreter and result.backend == TRITON_TIER:
+            parts.insert(0, "Triton interpreter timing")
+    return "; ".join(filter(None, parts))
 
 
 def csv_rows(outcomes: list[CaseOutcome], info: RunInfo, ceilings: Ceilings) -> list[dict]:
@@ -94,18 +98,18 @@ def verdict(o: CaseOutcome) -> str:
     return head + f"; fastest measured: {fastest}, {gain:.2f}x faster (--tune would pick it)"
 
 
-def _anchor_line(o: CaseOutcome) -> Optional[str]:
+def _anchor_text(o: CaseOutcome) -> Optional[str]:
+    """The H200 anchor figures of a canonical shape (FlashMLA and the best public Triton kernel)."""
     anchor = anchors.ANCHORS.get(o.case.name)
     if anchor is None or o.cost is None:
         return None
-    ratio = anchor_ratio(o.cost, anchor.flashmla_us)
-    text = f"{anchors.LABEL}: FlashMLA CUDA {_num(anchor.flashmla_us)} µs ({ratio})"
+    text = f"FlashMLA CUDA {_num(anchor.flashmla_us)} µs ({_anchor_ratio(o.cost, anchor.flashmla_us)})"
     if anchor.triton_us is not None:
         text += f", best public Triton ({anchor.triton_name}) {_num(anchor.triton_us)} µs"
     return text
 
 
-def anchor_ratio(cost: model.Cost, time_us: float) -> str:
+def _anchor_ratio(cost: model.Cost, time_us: float) -> str:
     """The anchor's achieved rate against the anchor run's own ceilings, for the ceiling that binds."""
     anchor_ceilings = Ceilings(anchors.ANCHOR_COPY_GBPS, anchors.ANCHOR_MATMUL_TFLOPS, "", "")
     rates = model.rates(cost, time_us, anchor_ceilings)
@@ -142,7 +146,7 @@ def ab_lines(outcomes: list[CaseOutcome], baseline: str, target: str) -> list[st
 def header_lines(info: RunInfo, ceilings: Ceilings) -> list[str]:
     lines = [f"anymla.bench on {info.device} ({info.device_name}); torch {info.torch}, triton {info.triton}, "
              f"anymla {info.anymla}; {info.timestamp}",
-             f"ceilings measured in this run: {ceilings.describe()}",
+             f"ceilings measured in this run (the better of its start and end): {ceilings.describe()}",
              "% floor = floor time / measured time, floor = max(bytes / copy rate, FLOPs / matmul rate)"]
     if info.interpreter:
         lines.append("NOTE: on the CPU the Triton tier runs in Triton's interpreter: its times are interpreter "
@@ -156,7 +160,8 @@ def format_table(outcomes: list[CaseOutcome], info: RunInfo, ceilings: Ceilings,
     blocks = []
     for o in outcomes:
         rows = [_cells(o, r, info, ceilings) for r in o.results]
-        extra = [verdict(o)] + list(filter(None, [_anchor_line(o)]))
+        anchor = _anchor_text(o)
+        extra = [verdict(o)] + ([f"{anchors.LABEL}: {anchor}"] if anchor else [])
         blocks.append((o.suite, rows, extra))
     widths = [max([len(h)] + [len(row[i]) for _, rows, _ in blocks for row in rows]) for i, h in enumerate(HEADERS)]
 
@@ -191,11 +196,12 @@ def summary_markdown(outcomes: list[CaseOutcome], info: RunInfo, ceilings: Ceili
         out += [f"## {suite}", "", _md_row(HEADERS), _md_row(["---"] * len(HEADERS))]
         out += [_md_row(_cells(o, r, info, ceilings)) for o in mine for r in o.results]
         out += ["", "Dispatcher's choice per shape:", ""] + [f"- {o.case.name}: {verdict(o)}" for o in mine]
-        anchored = [(o, line) for o in mine if (line := _anchor_line(o))]
+        anchored = [(o, text) for o in mine if (text := _anchor_text(o))]
         if anchored:
             out += ["", f"H200 anchors ({anchors.LABEL}; ratios against the anchor run's ceilings, "
-                        f"{anchors.ANCHOR_COPY_GBPS:,.0f} GB/s copy and {anchors.ANCHOR_MATMUL_TFLOPS:,.0f} TFLOP/s matmul):",
-                    ""] + [f"- {o.case.name}: {line.split(': ', 1)[1]}" for o, line in anchored]
+                        f"{anchors.ANCHOR_COPY_GBPS:,.0f} GB/s copy and "
+                        f"{anchors.ANCHOR_MATMUL_TFLOPS:,.0f} TFLOP/s matmul):", ""]
+            out += [f"- {o.case.name}: {text}" for o, text in anchored]
         out.append("")
     if ab is not None:
         out += ["## A/B", ""] + [f"    {text}" for text in ab_lines(outcomes, *ab)] + [""]

@@ -114,7 +114,7 @@ def run_case(suite: str, case: Case, backends: list[str], timer: Timer, *, toler
         expected = tuple(fn(**args, backend=REFERENCE))
         synchronize(device)
     except Exception as err:
-        note = "no reference output to gate against: " + _first_line(err)
+        note = "the case could not be set up (inputs, cost or the reference's output): " + _first_line(err)
         for name in backends:
             on_backend(name)
         return CaseOutcome(suite, case, case.spec(), None, None, [BackendResult(n, ERROR, note) for n in backends])

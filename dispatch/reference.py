@@ -4,7 +4,8 @@ Math in fp32 (FlashMLA's ``tests/ref.py`` recipe): gather rows, ``P = q k^T sm_s
 ``lse = logsumexp(P)`` (natural log), ``out = softmax(P) V`` with V the first 512 dims of each row, the sink
 factor ``1 / (1 + exp(sink - lse))``, and rows with no attendable key give out 0, lse +inf, max_logits -inf.
 Invalid rows are zeroed before any product so NaN in unreferenced memory cannot leak. Work is chunked over
-query tokens so ``[tokens, topk, d]`` gathers stay within a fixed memory budget.
+query tokens so ``[tokens, topk, d]`` gathers stay within a fixed memory budget (one request per chunk when
+batch invariance is asked for).
 """
 
 from __future__ import annotations
@@ -105,6 +106,10 @@ def sparse_decode(p: SparseDecode) -> tuple[torch.Tensor, torch.Tensor]:
     out = buffers.empty(b * s_q, h_q, p.d_v, dtype=p.q.dtype, device=p.device)
     lse = buffers.empty(b * s_q, h_q, dtype=torch.float32, device=p.device)
     step = _token_chunk(topk, d)
+    if p.batch_invariant:
+        # One request per chunk: the shapes of every product, hence the library kernels that compute them
+        # and their summation order, then never depend on the rest of the batch.
+        step = s_q
     for t0 in range(0, b * s_q, step):
         t = slice(t0, min(b * s_q, t0 + step))
         keys, valid = [], []

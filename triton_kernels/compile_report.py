@@ -108,13 +108,13 @@ def main() -> None:
     from .harness import SWEEP
     only = sys.argv[1] if len(sys.argv) > 1 else ""
     jobs = [("sparse_prefill d576", sparse_mla_kernel, _sparse_ptrs(0), lambda t: sparse_constexprs(t, 576, 0),
-             SWEEP["v32_h128"]),
+             SWEEP["prefill-v32-h128"]),
             ("sparse_decode v32", sparse_mla_kernel, _sparse_ptrs(1), lambda t: sparse_constexprs(t, 576, 1, None, False),
-             SWEEP["v32_b128_sq2_h128"]),
+             SWEEP["sdecode-v32-b128-sq2-h128"]),
             ("sparse_decode v41", sparse_mla_kernel, _sparse_ptrs(3), lambda t: sparse_constexprs(t, 512, 3, 4, False),
-             SWEEP["v41_b128_h64_fp4x"]),
+             SWEEP["sdecode-v41+fp4-b128-h64"]),
             ("dense_decode", dense_decode_kernel, dense_pointers, lambda t: dense_constexprs(t, 576, True),
-             SWEEP["mem_b128_h16"] + SWEEP["compute_b128_sq2_h128"] + SWEEP["long_b1_h128"])]
+             SWEEP["ddecode-b128-h16-sk8192"] + SWEEP["ddecode-b128-sq2-h128-sk8192"] + SWEEP["ddecode-b1-h128-sk32768"])]
     seen = set()
     for label, kernel, ptrs, consts, configs in jobs:
         for tile, *_ in configs:

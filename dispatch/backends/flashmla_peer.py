@@ -126,7 +126,8 @@ class FlashMLAPeer(Backend):
                                f"got {p.extra_indices.shape[-1]}")
         if p.fmt is KVCacheFormat.V32_FP8 and major == 9 and p.topk_length is not None:
             reasons.append("V32_FP8 decoding on sm90 takes no topk_length")
-        if p.batch_invariant and "enable_batch_invariant" not in inspect.signature(module.flash_mla_with_kvcache).parameters:
+        takes = inspect.signature(module.flash_mla_with_kvcache).parameters
+        if p.batch_invariant and "enable_batch_invariant" not in takes:
             reasons.append("enable_batch_invariant needs the 2026-09-30 flash_mla")
         return reasons
 

@@ -10,6 +10,7 @@ from anymla import buffers
 import triton
 
 from .. import runtime
+from ..fit import launch_fitting
 from ..tuning import TileConfig, forced_tma
 from ..splits import SplitPlan, choose_num_splits, combine, make_plan
 from ..tuning import dense_config
@@ -50,24 +51,26 @@ def dense_decode(p) -> tuple[torch.Tensor, torch.Tensor]:
     h_kv = p.k_cache.shape[2]
     rows = s_q * (h_q // h_kv)
     plan = p.sched.plan_for("triton", lambda: _plan(p, rows)) if p.sched is not None else _plan(p, rows)
-    tile = plan.tile
     out = buffers.empty(b, s_q, h_q, p.d_v, dtype=p.q.dtype, device=p.device)
     lse = buffers.empty(b, h_q, s_q, dtype=torch.float32, device=p.device)
     q, kv = p.q, p.k_cache
-    rb = triton.cdiv(rows, tile.block_h)
-    grid = (b * h_kv * rb, plan.num_splits)
-    k_desc, r_desc = _descriptors(kv, tile, d)
-    dense_decode_kernel[grid](
-        q, q.stride(0), q.stride(1), q.stride(2),
-        kv, k_desc, r_desc, kv.stride(0), kv.stride(1), kv.stride(2), kv.shape[1], kv.shape[0],
-        p.block_table, p.block_table.stride(0), p.cache_seqlens,
-        p.attn_sink, out, out.stride(0), out.stride(1), out.stride(2), lse, lse.stride(0), lse.stride(2),
-        lse.stride(1), plan.partial_out, plan.partial_lse,
-        s_q, h_q, h_q // h_kv, h_kv, rb, plan.num_splits, p.sm_scale * math.log2(math.e),
-        D_QK=d, CAUSAL=p.causal and s_q > 1, HAS_SINK=p.attn_sink is not None, SPLIT=plan.num_splits > 1,
-        USE_TMA=k_desc is not None,
-        BLOCK_H=tile.block_h, BLOCK_N=tile.block_n, SKIP_SCALE=tile.skip_scale, INTERPRET=runtime.interpreting(),
-        NUM_STAGES=tile.num_stages, num_warps=tile.num_warps)
+    constexprs = dict(D_QK=d, CAUSAL=p.causal and s_q > 1, HAS_SINK=p.attn_sink is not None,
+                      SPLIT=plan.num_splits > 1, INTERPRET=runtime.interpreting())
+
+    def launch(tile):
+        rb = triton.cdiv(rows, tile.block_h)
+        k_desc, r_desc = _descriptors(kv, tile, d)
+        dense_decode_kernel[(b * h_kv * rb, plan.num_splits)](
+            q, q.stride(0), q.stride(1), q.stride(2),
+            kv, k_desc, r_desc, kv.stride(0), kv.stride(1), kv.stride(2), kv.shape[1], kv.shape[0],
+            p.block_table, p.block_table.stride(0), p.cache_seqlens,
+            p.attn_sink, out, out.stride(0), out.stride(1), out.stride(2), lse, lse.stride(0), lse.stride(2),
+            lse.stride(1), plan.partial_out, plan.partial_lse,
+            s_q, h_q, h_q // h_kv, h_kv, rb, plan.num_splits, p.sm_scale * math.log2(math.e),
+            USE_TMA=k_desc is not None, BLOCK_H=tile.block_h, BLOCK_N=tile.block_n, SKIP_SCALE=tile.skip_scale,
+            NUM_STAGES=tile.num_stages, num_warps=tile.num_warps, **constexprs)
+
+    launch_fitting(("dense_decode", tuple(sorted(constexprs.items()))), plan.tile, launch)
     if plan.num_splits > 1:
         combine(plan, out, lse, s_q, (out.stride(0), out.stride(1), out.stride(2)),
                 (lse.stride(0), lse.stride(2), lse.stride(1)), p.attn_sink)

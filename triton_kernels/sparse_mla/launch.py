@@ -13,6 +13,7 @@ from anymla import buffers
 from anymla.kvcache import KVCacheFormat
 
 from .. import runtime
+from ..fit import launch_fitting
 from ..splits import SplitPlan, choose_num_splits, combine, make_plan
 from ..tuning import sparse_config
 from .kernel import sparse_mla_kernel
@@ -52,24 +53,27 @@ def _launch(q: torch.Tensor, main: _Source, extra: Optional[_Source], len_div: i
     tokens, heads, d_qk = q.shape
     groups = main.indices.shape[1]
     per_group = heads // groups
-    tile = plan.tile
-    hb = triton.cdiv(per_group, tile.block_h)
     x = extra or main
-    grid = (tokens * groups * hb, plan.num_splits)
-    sparse_mla_kernel[grid](
-        q, q.stride(0), q.stride(1),
-        main.indices, main.indices.stride(0), main.indices.stride(1), main.indices.shape[-1], main.length, len_div,
-        main.kv, main.stride_block, main.stride_row, main.stride_group, main.page, main.rows,
-        x.indices, x.indices.stride(0), x.indices.shape[-1], x.length, x.kv, x.stride_block, x.stride_row, x.page,
-        x.rows,
-        sink, out, out.stride(0), out.stride(1), lse, max_logits, plan.partial_out, plan.partial_lse,
-        heads, per_group, hb, plan.num_splits, sm_scale * math.log2(math.e),
-        D_QK=d_qk, FMT=_FMT_CODE[main.fmt], X_FMT=_FMT_CODE[x.fmt], HAS_X=extra is not None,
-        HAS_LEN=main.length is not None, HAS_X_LEN=extra is not None and extra.length is not None,
-        HAS_SINK=sink is not None, WRITE_MAX=max_logits is not None, SPLIT=plan.num_splits > 1,
-        BLOCK_H=tile.block_h, BLOCK_N=tile.block_n, SKIP_SCALE=tile.skip_scale,
-        NATIVE_FP8=runtime.native_fp8(q.device), INTERPRET=runtime.interpreting(), NUM_STAGES=tile.num_stages,
-        num_warps=tile.num_warps)
+    constexprs = dict(D_QK=d_qk, FMT=_FMT_CODE[main.fmt], X_FMT=_FMT_CODE[x.fmt], HAS_X=extra is not None,
+                      HAS_LEN=main.length is not None, HAS_X_LEN=extra is not None and extra.length is not None,
+                      HAS_SINK=sink is not None, WRITE_MAX=max_logits is not None, SPLIT=plan.num_splits > 1,
+                      NATIVE_FP8=runtime.native_fp8(q.device), INTERPRET=runtime.interpreting())
+
+    def launch(tile):
+        hb = triton.cdiv(per_group, tile.block_h)
+        sparse_mla_kernel[(tokens * groups * hb, plan.num_splits)](
+            q, q.stride(0), q.stride(1),
+            main.indices, main.indices.stride(0), main.indices.stride(1), main.indices.shape[-1], main.length,
+            len_div,
+            main.kv, main.stride_block, main.stride_row, main.stride_group, main.page, main.rows,
+            x.indices, x.indices.stride(0), x.indices.shape[-1], x.length, x.kv, x.stride_block, x.stride_row,
+            x.page, x.rows,
+            sink, out, out.stride(0), out.stride(1), lse, max_logits, plan.partial_out, plan.partial_lse,
+            heads, per_group, hb, plan.num_splits, sm_scale * math.log2(math.e),
+            BLOCK_H=tile.block_h, BLOCK_N=tile.block_n, SKIP_SCALE=tile.skip_scale, NUM_STAGES=tile.num_stages,
+            num_warps=tile.num_warps, **constexprs)
+
+    launch_fitting(("sparse_mla", tuple(sorted(constexprs.items()))), plan.tile, launch)
 
 
 def sparse_prefill(p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
