@@ -22,7 +22,7 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _tensor_sig(t: Optional[torch.Tensor]):
-    return None if t is None else (t.shape, t.dtype, t.device, t.stride())
+    return (t.shape, t.dtype, t.device, t.stride()) if isinstance(t, torch.Tensor) else (None if t is None else type(t))
 
 
 def _need_tensor(name: str, t, ndim: int, dims_doc: str) -> None:
@@ -79,8 +79,18 @@ def _check_d_qk(name: str, d: int) -> None:
         raise ValueError(f"{name}: the last dim (d_qk) must be 576 (V3/V3.2) or 512 (V4 family), got {d}")
 
 
+class _Problem:
+    """What every problem record shares: the device of its query (every tensor must live there)."""
+
+    q: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+
 @dataclass
-class SparsePrefill:
+class SparsePrefill(_Problem):
     """``flash_mla_sparse_fwd``: every query token attends to its own top-k rows of a bf16 ``kv``.
 
     q ``[s_q, h_q, d_qk]``; kv ``[s_kv, h_kv, d_qk]``; indices ``[s_q, h_kv, topk]`` int32 (invalid: < 0 or
@@ -96,10 +106,6 @@ class SparsePrefill:
     topk_length: Optional[torch.Tensor] = None
 
     op = "sparse_prefill"
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
 
     def signature(self) -> tuple:
         return (self.op, _tensor_sig(self.q), _tensor_sig(self.kv), _tensor_sig(self.indices), self.d_v,
@@ -139,7 +145,7 @@ class SparsePrefill:
 
 
 @dataclass
-class SparseDecode:
+class SparseDecode(_Problem):
     """``flash_mla_with_kvcache`` with ``indices``: DSA decoding over a paged (usually quantized) cache.
 
     q ``[b, s_q, h_q, d_qk]``; k_cache ``[num_blocks, page_size, 1, bytes_per_token]`` (format from
@@ -163,10 +169,6 @@ class SparseDecode:
     sched: Optional[FlashMLASchedMeta] = None
 
     op = "sparse_decode"
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
 
     @property
     def fmt(self) -> KVCacheFormat:
@@ -241,7 +243,7 @@ class SparseDecode:
 
 
 @dataclass
-class DenseDecode:
+class DenseDecode(_Problem):
     """``flash_mla_with_kvcache`` without ``indices``: MLA decoding over a paged bf16/fp16 latent cache.
 
     q ``[b, s_q, h_q, d_qk]``; k_cache ``[num_blocks, page_size, h_kv, d_qk]`` (same dtype as q); block_table
@@ -261,10 +263,6 @@ class DenseDecode:
     sched: Optional[FlashMLASchedMeta] = None
 
     op = "dense_decode"
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
 
     def signature(self) -> tuple:
         return (self.op, _tensor_sig(self.q), _tensor_sig(self.k_cache), _tensor_sig(self.block_table),

@@ -177,3 +177,22 @@ def test_dense_decode_corner(backend, device):
     args = dense_decode_inputs(128, 2, 128, 1, 4096, varlen=True, zero_len_frac=0.5, causal=True, device=device)
     got, ref = _decode_pair(args, backend)
     compare_outputs("dense_decode", got, ref)
+
+
+@pytest.mark.parametrize("skip_scale", (True, False), ids=("block-branch", "row-select"))
+def test_both_lazy_rescale_variants(backend, skip_scale, tol_scale, device):
+    """The Triton tier ships the lazy rescale as a block-wide branch (interpreter, Ascend) and as a per-row
+    select (CUDA); both must hold on data whose logits jump (k amplifier), prefill and decode alike."""
+    if backend != "triton":
+        pytest.skip("tile configurations belong to the Triton tier")
+    from anymla.triton_kernels import tuning
+    with tuning.forced(tuning.TileConfig(64, 64, 8, 1, skip_scale)):
+        args = prefill_inputs(3, 64, 512, 600, 192, amplify=True, sink=True, device=device, seed=11)
+        compare_outputs("sparse_prefill", anymla.flash_mla_sparse_fwd(**args, backend=backend),
+                        anymla.flash_mla_sparse_fwd(**args, backend="reference"), amplified=True, scale=tol_scale)
+        args = sparse_decode_inputs(2, 1, 64, 300, 192, fmt=F.V41_FP8, topk_length=True, device=device, seed=12)
+        got, ref = _decode_pair(args, backend)
+        compare_outputs("sparse_decode", got, ref, scale=tol_scale)
+        args = dense_decode_inputs(2, 2, 32, 1, 300, causal=True, device=device, seed=13)
+        got, ref = _decode_pair(args, backend)
+        compare_outputs("dense_decode", got, ref, scale=tol_scale)

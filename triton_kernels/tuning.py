@@ -51,33 +51,39 @@ def _rows_block(rows: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(rows)))
 
 
-def sparse_config(kind: str, heads_per_group: int, d_qk: int, quantized: bool) -> TileConfig:
-    """Tiles of the sparse kernel for ``heads_per_group`` query heads sharing one index list."""
+def _portable(kind: str, rows: int) -> Optional[TileConfig]:
+    """The configs that do not depend on the op: a forced one, the interpreter's and Ascend's."""
     if "tile" in _FORCED:
         return _FORCED["tile"]
     if kind == "interpret":
         # The interpreter costs per operation, not per element: few, large tiles.
-        return TileConfig(_rows_block(heads_per_group, 64), 64, 4, 1)
+        return TileConfig(_rows_block(rows, 64), 64, 4, 1)
     if kind == "npu":
-        # Unified buffer budget (192 KB on A2/A3): [16, 512] fp32 accumulators plus a 32-row latent tile.
+        # Unified buffer budget (192 KB on A2/A3): a [16, 512] fp32 accumulator plus a 32-row latent tile.
         return TileConfig(16, 32, 1, 1)
-    bh = _rows_block(heads_per_group, 64)
+    return None
+
+
+def sparse_config(kind: str, heads_per_group: int, quantized: bool) -> TileConfig:
+    """Tiles of the sparse kernel for ``heads_per_group`` query heads sharing one index list."""
+    tile = _portable(kind, heads_per_group)
+    if tile is not None:
+        return tile
     # BLOCK_H 64 needs 8 warps: its [64, 512] fp32 accumulator alone is 256 registers a thread with 4.
     # H200 sweep (NOTES.md, 2026-11-29): per-row lazy rescale beats the block-wide branch; quantized caches
     # do best without prefetch (the dequantized tile already fills shared memory), bf16 with 3 stages.
+    bh = _rows_block(heads_per_group, 64)
     if bh < 64:
         return TileConfig(bh, 64, 4, 2, False)
     return TileConfig(64, 64, 8, 1 if quantized else 3, False)
 
 
-def dense_config(kind: str, rows_per_kv_head: int, d_qk: int) -> TileConfig:
+def dense_config(kind: str, rows_per_kv_head: int) -> TileConfig:
     """Tiles of the dense decode kernel for ``rows_per_kv_head = s_q * h_q / h_kv`` packed query rows."""
-    if "tile" in _FORCED:
-        return _FORCED["tile"]
-    if kind == "interpret":
-        return TileConfig(_rows_block(rows_per_kv_head, 64), 64, 4, 1)
-    if kind == "npu":
-        return TileConfig(16, 32, 1, 1)
+    tile = _portable(kind, rows_per_kv_head)
+    if tile is not None:
+        return tile
+    # H200 sweep (NOTES.md, 2026-11-29): 64 keys a block with 2 TMA stages for the compute-bound regime,
+    # 32 keys and 4 stages with 16 rows (memory-bound).
     bh = _rows_block(rows_per_kv_head, 64)
-    # H200 sweep (NOTES.md, 2026-11-29): 64 keys a block with 2 TMA stages for the compute-bound regime.
     return TileConfig(64, 64, 8, 2, False) if bh == 64 else TileConfig(bh, 32, 4, 4, True)

@@ -18,9 +18,9 @@ from .kernel import dense_decode_kernel
 
 
 def _plan(p, rows_per_kv_head: int) -> SplitPlan:
-    b, s_q, h_q, d = p.q.shape
+    b, s_q, h_q, _ = p.q.shape
     h_kv = p.k_cache.shape[2]
-    tile = dense_config(runtime.device_kind(p.device), rows_per_kv_head, d)
+    tile = dense_config(runtime.device_kind(p.device), rows_per_kv_head)
     programs = b * h_kv * triton.cdiv(rows_per_kv_head, tile.block_h)
     capacity = p.block_table.shape[1] * p.k_cache.shape[1]
     splits = choose_num_splits(programs, triton.cdiv(capacity, tile.block_n), runtime.num_cores(p.device),

@@ -82,7 +82,7 @@ def sparse_prefill(p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     kv = _last_dim_contiguous(p.kv)
     s_q, h_q, _ = q.shape
     s_kv, h_kv, _ = kv.shape
-    tile = sparse_config(runtime.device_kind(q.device), h_q // h_kv, q.shape[-1], False)
+    tile = sparse_config(runtime.device_kind(q.device), h_q // h_kv, False)
     # kv is one page holding every row: slot = row, so the paged addressing reduces to row * stride(0).
     main = _Source(kv, KVCacheFormat.BF16, max(s_kv, 1), 0, kv.stride(0), kv.stride(1), s_kv,
                    _last_dim_contiguous(p.indices), p.topk_length)
@@ -96,7 +96,7 @@ def sparse_prefill(p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def _decode_plan(p, tokens: int, h_q: int) -> SplitPlan:
     kind = runtime.device_kind(p.device)
-    tile = sparse_config(kind, h_q, p.q.shape[-1], p.fmt.is_quantized)
+    tile = sparse_config(kind, h_q, p.fmt.is_quantized)
     programs = tokens * triton.cdiv(h_q, tile.block_h)
     keys = p.indices.shape[-1] + (0 if p.extra_indices is None else p.extra_indices.shape[-1])
     splits = choose_num_splits(programs, triton.cdiv(keys, tile.block_n), runtime.num_cores(p.device),

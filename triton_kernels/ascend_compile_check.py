@@ -1,0 +1,221 @@
+"""Compile-check the Triton kernels for Ascend A2/A3 (triton-ascend) on a machine without an NPU or CANN.
+
+    python triton_kernels/ascend_compile_check.py [LABEL_SUBSTRING]
+
+Run it from a venv of its own (triton-ascend replaces the ``triton`` package; never install it next to PyPI's):
+
+    python3.11 -m venv /tmp/venv-ascend
+    /tmp/venv-ascend/bin/pip install triton-ascend==3.2.0 ascendnpu-ir==1.2.0 pybind11 "numpy<2.4"
+
+Each variant goes through triton-ascend's front end, the Triton->Linalg/HIVM adapter and ``bishengir-compile``
+(HFusion, HIVM, on-chip memory planning) for one SoC. The last step, CANN's ``hivmc``, is absent, so a run
+that stops only there is a PASS: the kernel lowers and its buffers fit the unified buffer (UB) and L1 of that
+SoC. A PASS is not a binary, not a run and says nothing about numerics or speed (see ascend_notes.md §8/§9).
+
+Loads the kernel files by path under a synthetic package, so neither torch nor ``anymla`` is imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import re
+import sys
+import tempfile
+import time
+import types
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_WORK = tempfile.mkdtemp(prefix="ascend_check_")
+# Every variant is compiled afresh (never from a cache shared with other Triton installs).
+os.environ["TRITON_ALWAYS_COMPILE"] = "1"
+os.environ["TRITON_CACHE_DIR"] = os.path.join(_WORK, "cache")
+sys.modules["torch"] = None  # proves the check is torch-free: any `import torch` raises ImportError
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler.compiler import ASTSource, make_backend  # noqa: E402
+
+SOCS = ("Ascend910B3", "Ascend910B4", "Ascend910_9382")
+_PKG = "_anymla_ascend_check"
+
+
+def _load_kernels():
+    """Import common/tuning/kernel modules from this folder as ``_PKG.*`` (the kernels use relative imports)."""
+    pkg = types.ModuleType(_PKG)
+    pkg.__path__ = [_HERE]  # the real __init__ is skipped: it would pull in the runtime module
+    sys.modules[_PKG] = pkg
+    return [importlib.import_module(f"{_PKG}.{m}")
+            for m in ("common", "tuning", "sparse_mla.kernel", "dense_decode.kernel")]
+
+
+def _install_compiler_wrapper() -> str:
+    """Put a ``bishengir-compile`` on PATH that also saves its last IR (``--save-temps``) into
+    ``$ASCEND_CHECK_SAVE``, where the buffer offsets are read. Returns the folder of the real compiler."""
+    import ascendnpuir
+    real = os.path.join(os.path.dirname(ascendnpuir.__file__), "bin", "bishengir-compile")
+    wrapper = os.path.join(_WORK, "bin", "bishengir-compile")
+    os.makedirs(os.path.dirname(wrapper))
+    with open(wrapper, "w") as f:
+        # only compilations (an .mlir input) get the flag: the backend also probes `--help` for options
+        f.write(f'#!/bin/sh\ncase "$*" in *.mlir*) exec {real} "$@" --save-temps="$ASCEND_CHECK_SAVE";; esac\n'
+                f'exec {real} "$@"\n')
+    os.chmod(wrapper, 0o755)
+    os.environ["PATH"] = os.path.dirname(wrapper) + os.pathsep + os.environ["PATH"]
+    return os.path.dirname(real)
+
+
+# --- one compilation -------------------------------------------------------------------------------------
+
+_DTYPE_BITS = {"f32": 32, "i32": 32, "f16": 16, "bf16": 16, "i16": 16, "i8": 8, "ui8": 8, "i1": 8, "i64": 64,
+               "f64": 64}
+_CAST = re.compile(r"hivm\.hir\.pointer_cast\(([^)]*)\).*?memref<([^>]*?)x?([a-z]+\d+)(?:,[^>]*)?,"
+                   r" #hivm\.address_space<(\w+)>>")
+_SPACES = {"ub": "UB", "cbuf": "L1", "cc": "L0C"}
+_OVERFLOW = re.compile(r"(\w+) overflow, requires (\d+) bits while (\d+) bits available")
+
+
+def _high_water(mlir: str) -> dict:
+    """Bytes used per on-chip space: max(offset + size) over the planned buffers (``hivm.hir.pointer_cast``
+    with constant offsets; approximate under multibuffer, where one buffer has several offsets)."""
+    top = {}
+    for offsets, dims, dtype, space in _CAST.findall(mlir):
+        size = _DTYPE_BITS.get(dtype, 32) // 8
+        for d in filter(None, dims.split("x")):
+            size *= int(d) if d.isdigit() else 0
+        for off in re.findall(r"%c(\d+)_i64", offsets):
+            top[space] = max(top.get(space, 0), int(off) + size)
+    return top
+
+
+def _first_error(e: Exception) -> str:
+    """The innermost front-end error (kernel source line + message), or the first ``error:`` line of the
+    MLIR pipeline."""
+    while isinstance(e.__cause__, triton.compiler.errors.CompilationError):
+        e = e.__cause__
+    if isinstance(e, triton.compiler.errors.CompilationError):
+        line = e.src.split("\n")[e.node.lineno - 1].strip() if e.src and hasattr(e.node, "lineno") else ""
+        return f"`{line}`: {(e.error_message or '').strip().splitlines()[-1]}"
+    lines = [l for l in str(e).splitlines() if "error:" in l and "External hivmc run fails" not in l]
+    first = lines[0] if lines else f"{type(e).__name__}: {str(e).strip().splitlines()[-1]}"
+    return re.sub(r'^loc\("[^"]*"(:\d+:\d+)?\)+: ', "", first.strip())
+
+
+def check(fn, signature: dict, constants: dict, soc: str) -> tuple[str, str, bool]:
+    """Compile ``fn`` for ``soc`` up to the missing ``hivmc``: (PASS|FAIL, high-water or error, overflowed)."""
+    target = GPUTarget("npu", soc, 0)
+
+    class _Arch:  # stands in for NPUUtils, whose get_arch() builds a CANN program and ignores the target
+        def get_arch(self):
+            return soc
+
+    type(make_backend(target)).add_stages.__globals__["NPUUtils"] = _Arch
+    save = os.environ["ASCEND_CHECK_SAVE"] = tempfile.mkdtemp(dir=_WORK)
+    try:
+        triton.compile(ASTSource(fn, signature, constants), target=target)
+        return "FAIL", "unexpected: compiled without hivmc?", False
+    except Exception as e:  # every failure is a row of the table, not a crash
+        msg = str(e)
+        over = _OVERFLOW.findall(msg)
+        if over:
+            return "FAIL", "; ".join(f"{_SPACES.get(s, s)} overflow: needs {int(n)} bits > {int(a)}"
+                                     for s, n, a in dict.fromkeys(over)), True
+        if "External hivmc run fails" not in msg or "): error: " in msg.replace(
+                "error: External hivmc run fails", ""):
+            return "FAIL", _first_error(e), False
+    path = os.path.join(save, "module.hivm.opt.mlir")
+    top = _high_water(open(path).read()) if os.path.exists(path) else {}
+    return "PASS", " ".join(f"{_SPACES[s]} {top[s] / 1024:.1f}K" for s in _SPACES if s in top) or "-", False
+
+
+# --- the variants ------------------------------------------------------------------------------------------
+
+def _signature(fn, pointers: dict, constants: dict) -> dict:
+    """Triton 3.2 signature: constexprs (and the None TMA descriptors, specialized as constexpr like the
+    launcher's None arguments) as "constexpr", pointers typed from ``pointers`` (else fp32), ints i32."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in constants:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = pointers.get(name, "*fp32")
+        else:
+            sig[name] = "fp32" if name == "scale_log2" else "i32"
+    return sig
+
+
+def variants(common, tuning, sparse, dense):
+    """(kernel, variant, fn, pointer types, constexprs or a function of the tile, npu tile or None)."""
+    # The Ascend launch: no fp8 types, no interpreter, no TMA, the npu rows of tuning.py.
+    ascend = dict(NATIVE_FP8=False, INTERPRET=False)
+    s_tile = tuning.sparse_config("npu", 128, True)
+
+    def sparse_consts(d_qk, fmt, x_fmt, split, prefill):
+        return lambda t: dict(D_QK=d_qk, FMT=fmt, X_FMT=x_fmt if x_fmt is not None else fmt,
+                              HAS_X=x_fmt is not None, HAS_LEN=True, HAS_X_LEN=x_fmt is not None, HAS_SINK=True,
+                              WRITE_MAX=prefill, SPLIT=split, BLOCK_H=t.block_h, BLOCK_N=t.block_n,
+                              SKIP_SCALE=t.skip_scale, NUM_STAGES=t.num_stages, **ascend)
+
+    def sparse_ptrs(fmt, x_fmt):
+        kv = lambda f: "*bf16" if f == 0 else "*u8"  # noqa: E731  (quantized caches are byte views)
+        return {"q_ptr": "*bf16", "out_ptr": "*bf16", "kv_ptr": kv(fmt), "x_kv_ptr": kv(fmt if x_fmt is None else x_fmt),
+                "idx_ptr": "*i32", "x_idx_ptr": "*i32", "len_ptr": "*i32", "x_len_ptr": "*i32"}
+
+    out = []
+    for d_qk in (576, 512):
+        out.append(("sparse_mla", f"prefill bf16 d{d_qk}", sparse.sparse_mla_kernel, sparse_ptrs(0, None),
+                    sparse_consts(d_qk, 0, None, False, True), s_tile))
+    names = {1: "V32_FP8", 2: "MODEL1_FP8", 3: "V41_FP8", 4: "V41_FP4"}
+    for fmt in (1, 2, 3, 4):
+        d_qk = 576 if fmt == 1 else 512
+        # An extra cache has the main cache's d_qk: V32_FP8 for d576, V41_FP4 (V4.1's extra format) for d512.
+        for x_fmt in (None, 1 if fmt == 1 else 4):
+            for split in (False, True):
+                label = f"decode {names[fmt]}{'+' + names[x_fmt] if x_fmt else ''} {'split' if split else 'nosplit'}"
+                out.append(("sparse_mla", label, sparse.sparse_mla_kernel, sparse_ptrs(fmt, x_fmt),
+                            sparse_consts(d_qk, fmt, x_fmt, split, False), s_tile))
+    d_tile = tuning.dense_config("npu", 128)
+    for causal in (False, True):
+        for split in (False, True):
+            consts = lambda t, c=causal, s=split: dict(  # noqa: E731
+                D_QK=576, CAUSAL=c, HAS_SINK=True, SPLIT=s, USE_TMA=False, k_desc=None, r_desc=None,
+                BLOCK_H=t.block_h, BLOCK_N=t.block_n, SKIP_SCALE=t.skip_scale, INTERPRET=False,
+                NUM_STAGES=t.num_stages)
+            out.append(("dense_decode", f"d576 {'causal' if causal else 'noncausal'} {'split' if split else 'nosplit'}",
+                        dense.dense_decode_kernel,
+                        {"q_ptr": "*bf16", "out_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "lens_ptr": "*i32"},
+                        consts, d_tile))
+    # splits.combine launches BLOCK_D 128 and MAX_SPLITS = next_pow2(splits) <= 64; 64 is the largest tile.
+    out.append(("combine", "sink BLOCK_D128 MAX_SPLITS64", common.combine_kernel, {"out_ptr": "*bf16"},
+                dict(HAS_SINK=True, BLOCK_D=128, MAX_SPLITS=64), None))
+    return out
+
+
+def main() -> int:
+    only = sys.argv[1] if len(sys.argv) > 1 else ""
+    compiler_dir = _install_compiler_wrapper()
+    common, tuning, sparse, dense = _load_kernels()
+    print(f"triton-ascend {triton.__version__}, bishengir-compile from {compiler_dir}\n")
+    print(f"{'kernel':13s} {'variant':34s} {'SoC':15s} {'tile':9s} result  high-water (K = KiB) / first error")
+    t0, failed = time.time(), 0
+    for kernel, label, fn, ptrs, consts, tile in variants(common, tuning, sparse, dense):
+        if only not in f"{kernel} {label}":
+            continue
+        for soc in SOCS:
+            # The npu tile first; after an overflow, fewer keys per block (the largest live tiles are [BLOCK_N, 512]).
+            tiles = [tile, dataclasses.replace(tile, block_n=16)] if tile else [None]
+            for t in tiles:
+                constants = consts(t) if t else consts
+                status, info, overflow = check(fn, _signature(fn, ptrs, constants), constants, soc)
+                name = f"H{t.block_h} N{t.block_n}" if t else "-"
+                print(f"{kernel:13s} {label:34s} {soc:15s} {name:9s} {status:6s}  {info}", flush=True)
+                if not overflow:
+                    break
+            failed += status != "PASS"
+    print(f"\n{failed} variant x SoC combinations fail (at the smallest tile tried); {time.time() - t0:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
