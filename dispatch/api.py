@@ -29,12 +29,15 @@ class _Explained(Exception):
         self.decision = decision
 
 
-def _execute(problem, backend: BackendChoice, config: Optional[FlashMLASchedMeta.Config] = None):
+def _execute(problem, backend: BackendChoice, config: Optional[Callable[[], FlashMLASchedMeta.Config]] = None):
+    """Validate and select (cached per signature), then bind the metadata's configuration and run.
+
+    ``config`` builds the metadata configuration; it reads shapes, so it runs only after validation."""
     decision = select(problem, backend)
     if _EXPLAINING.get():
         raise _Explained(decision)
     if config is not None and problem.sched is not None:
-        problem.sched.bind(config)
+        problem.sched.bind(config())
     return decision.impl.run(problem)
 
 
@@ -132,7 +135,7 @@ def flash_mla_with_kvcache(
     if tile_scheduler_metadata is not None and not isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
         raise TypeError("tile_scheduler_metadata: expected the FlashMLASchedMeta from anymla.get_mla_metadata(), "
                         f"got {type(tile_scheduler_metadata).__name__}")
-    if softmax_scale is None:
+    if softmax_scale is None and isinstance(q, torch.Tensor):  # else validation reports q
         softmax_scale = q.shape[-1] ** -0.5
     if torch.compiler.is_compiling():
         return _compiled_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
@@ -149,16 +152,14 @@ def flash_mla_with_kvcache(
                              "FP8 caches are decoded sparsely (pass indices)")
         problem = DenseDecode(q, k_cache, block_table, cache_seqlens, softmax_scale, head_dim_v, bool(causal),
                               attn_sink, bool(enable_batch_invariant), tile_scheduler_metadata)
-        config = _config(problem, k_cache, causal, False, None, None) if tile_scheduler_metadata is not None else None
-        return _execute(problem, backend, config)
+        return _execute(problem, backend, lambda: _config(problem, k_cache, causal, False, None, None))
     if causal:
         raise ValueError("causal: sparse decoding (with indices) has no causal mask; got causal=True")
     problem = SparseDecode(q, k_cache, indices, softmax_scale, head_dim_v, attn_sink, topk_length, extra_k_cache,
                            extra_indices_in_kvcache, extra_topk_length, is_fp8_kvcache, bool(enable_batch_invariant),
                            tile_scheduler_metadata)
-    config = _config(problem, k_cache, False, True, indices, extra_k_cache, extra_indices_in_kvcache) \
-        if tile_scheduler_metadata is not None else None
-    out, lse = _execute(problem, backend, config)
+    out, lse = _execute(problem, backend,
+                        lambda: _config(problem, k_cache, False, True, indices, extra_k_cache, extra_indices_in_kvcache))
     return out, lse.transpose(1, 2)
 
 

@@ -90,11 +90,12 @@ _BY_BYTES = {f.spec.bytes_per_token: f for f in KVCacheFormat if f.is_quantized}
 _BYTE_DTYPES = (torch.uint8, torch.int8, torch.float8_e4m3fn)
 
 
-def detect_format(k_cache: torch.Tensor) -> KVCacheFormat:
+def detect_format(k_cache: torch.Tensor, name: str = "k_cache") -> KVCacheFormat:
     """Tell a cache's format from its dtype and ``k_cache.shape[-1]``, as FlashMLA does.
 
     bf16/fp16 caches are ``BF16`` (any d_qk); byte caches (uint8, int8 or float8_e4m3fn) are told by
-    their bytes per token: 656 V32_FP8, 584 MODEL1_FP8, 528 V41_FP8, 288 V41_FP4.
+    their bytes per token: 656 V32_FP8, 584 MODEL1_FP8, 528 V41_FP8, 288 V41_FP4. ``name`` is the argument
+    named in errors.
     """
     if k_cache.dtype in (torch.bfloat16, torch.float16):
         return KVCacheFormat.BF16
@@ -102,10 +103,10 @@ def detect_format(k_cache: torch.Tensor) -> KVCacheFormat:
         fmt = _BY_BYTES.get(k_cache.shape[-1])
         if fmt is None:
             raise ValueError(
-                f"k_cache: a quantized cache must have 656 (V3.2 FP8), 584 (MODEL1/V4 FP8), 528 (V4.1 FP8) or "
+                f"{name}: a quantized cache must have 656 (V3.2 FP8), 584 (MODEL1/V4 FP8), 528 (V4.1 FP8) or "
                 f"288 (V4.1 FP4) bytes per token in its last dim, got shape {tuple(k_cache.shape)}")
         return fmt
-    raise TypeError(f"k_cache: expected bfloat16/float16 elements or uint8/int8/float8_e4m3fn bytes, got {k_cache.dtype}")
+    raise TypeError(f"{name}: expected bfloat16/float16 elements or uint8/int8/float8_e4m3fn bytes, got {k_cache.dtype}")
 
 
 def _model1_block_bytes(page_size: int) -> int:

@@ -194,7 +194,7 @@ class SparseDecode(_Problem):
 
     def _check_cache(self, name: str, cache, idx_name: str, idx, d: int, b: int, s_q: int, dev) -> KVCacheFormat:
         _need_tensor(name, cache, 4, "[num_blocks, page_size, 1, bytes_per_token]")
-        fmt = detect_format(cache)
+        fmt = detect_format(cache, name)
         _need_device(name, cache, dev)
         if cache.shape[2] != 1:
             raise ValueError(f"{name}: sparse decoding needs h_kv = 1 (dim 2), got shape {tuple(cache.shape)}")

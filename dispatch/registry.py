@@ -47,6 +47,12 @@ class Backend:
 
 
 _REGISTRY: dict[str, Backend] = {}
+# Bumped on every change, so cached dispatch decisions never call a backend that was replaced or removed.
+_GENERATION = [0]
+
+
+def generation() -> int:
+    return _GENERATION[0]
 
 
 def register_backend(backend: Backend) -> Backend:
@@ -54,11 +60,13 @@ def register_backend(backend: Backend) -> Backend:
     if not getattr(backend, "name", None) or not set(backend.ops) <= set(OPS):
         raise ValueError(f"backend: needs a name and ops among {OPS}, got {backend!r}")
     _REGISTRY[backend.name] = backend
+    _GENERATION[0] += 1
     return backend
 
 
 def unregister_backend(name: str) -> None:
     _REGISTRY.pop(name, None)
+    _GENERATION[0] += 1
 
 
 def get_backend(name: str) -> Backend:

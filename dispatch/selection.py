@@ -19,7 +19,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .registry import Backend, get_backend, registered_backends
+from .registry import Backend, generation, get_backend, registered_backends
 
 PRIORITY = {
     "cuda": ("triton", "reference"),
@@ -59,10 +59,23 @@ class Decision:
 
 _CONTEXT: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("anymla_backend", default=None)
 _DECISIONS: dict = {}
-_TUNING: dict = {"path": None, "choices": {}}
+# The tuned choices in force; "version" changes whenever they do (it is part of every decision's cache key),
+# "env" is the value of ANYMLA_TUNING they were last synchronized with.
+_TUNING: dict = {"path": None, "choices": {}, "version": 0, "env": None}
+# Backend-name strings already parsed and checked against the registry (keyed with its generation).
+_PARSED_NAMES: dict = {}
 
 
 def _as_names(choice: BackendChoice, what: str) -> tuple:
+    if isinstance(choice, str):
+        names = _PARSED_NAMES.get((choice, generation()))
+        if names is None:
+            names = _PARSED_NAMES[(choice, generation())] = _parse_names(choice, what)
+        return names
+    return _parse_names(choice, what)
+
+
+def _parse_names(choice: BackendChoice, what: str) -> tuple:
     names = tuple(n.strip() for n in choice.split(",")) if isinstance(choice, str) else tuple(choice)
     names = tuple(n for n in names if n)
     for n in names:
@@ -98,19 +111,26 @@ def _override(keyword: BackendChoice) -> tuple[Optional[tuple], str]:
 
 
 def load_tuning(path: Optional[str]) -> None:
-    """Read measured best backends per shape (``python -m anymla.bench --tune`` writes them); None clears."""
+    """Read measured best backends per shape (``python -m anymla.bench --tune`` writes them); None clears.
+
+    Setting, changing or unsetting ``ANYMLA_TUNING`` later loads (or clears) that file instead."""
     choices = {}
     if path:
         with open(path) as f:
             choices = json.load(f)["choices"]
-    _TUNING.update(path=path, choices=choices)
-    _DECISIONS.clear()
+    _TUNING.update(path=path, choices=choices, version=_TUNING["version"] + 1)
+
+
+def _sync_tuning() -> int:
+    """Follow ``ANYMLA_TUNING`` (set, changed or unset since last call); the version of the choices in force."""
+    env = os.environ.get(ENV_TUNING) or None
+    if env != _TUNING["env"]:
+        _TUNING["env"] = env
+        load_tuning(env)
+    return _TUNING["version"]
 
 
 def _tuned(problem) -> Optional[str]:
-    env = os.environ.get(ENV_TUNING)
-    if env and env != _TUNING["path"]:
-        load_tuning(env)
     return _TUNING["choices"].get(tuning_key(problem))
 
 
@@ -164,7 +184,7 @@ def _decision(problem, chosen: str, source: str, reasons: dict) -> Decision:
 def select(problem, backend: BackendChoice = None) -> Decision:
     """The decision for ``problem`` (validated on first sight of its signature), cached per signature."""
     forced, source = _override(backend)
-    key = (problem.signature(), forced, source)
+    key = (problem.signature(), forced, source, _sync_tuning(), generation())
     decision = _DECISIONS.get(key)
     if decision is None:
         problem.validate()

@@ -1,0 +1,481 @@
+"""The dispatcher: automatic choice per device, ``explain``, override precedence, ``use_backend``, errors for
+backends that cannot run or do not exist, fallback, custom backends, and the per-signature decision cache.
+"""
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import anymla
+import anymla.api
+import anymla.selection as selection
+from anymla.problems import SparsePrefill
+from anymla.registry import OPS, Backend
+from anymla.testing import compare_outputs, dense_decode_inputs, non_contiguous, prefill_inputs, sparse_decode_inputs
+
+
+class Probe(Backend):
+    """A test backend: runs the reference (optionally corrupted) and counts its calls."""
+
+    ops = frozenset(OPS)
+    device_types = ("cpu", "meta")
+
+    def __init__(self, name, *, reasons=(), corrupt=None):
+        self.name, self.reasons, self.corrupt, self.calls = name, list(reasons), corrupt, 0
+
+    def shape_reasons(self, problem):
+        return list(self.reasons)
+
+    def run(self, problem):
+        self.calls += 1
+        outs = anymla.get_backend("reference").run(problem)
+        return outs if self.corrupt is None else self.corrupt(problem.op, outs)
+
+
+@pytest.fixture
+def fresh_dispatch(monkeypatch):
+    """No cached decisions, no tuning and no ANYMLA_* overrides in, and none left behind."""
+    monkeypatch.delenv(selection.ENV_BACKEND, raising=False)
+    monkeypatch.delenv(selection.ENV_TUNING, raising=False)
+    selection.load_tuning(None)
+    yield
+    selection.load_tuning(None)
+    selection.clear_decision_cache()
+
+
+@pytest.fixture
+def probes(fresh_dispatch):
+    added = {n: anymla.register_backend(Probe(n)) for n in ("probe_a", "probe_b")}
+    yield added
+    for n in added:
+        anymla.unregister_backend(n)
+    selection.clear_decision_cache()
+
+
+def prefill_args(seed=0, **kw):
+    return prefill_inputs(2, 4, 512, 20, 8, seed=seed, **kw)
+
+
+def explain_prefill(a, **kw):
+    return anymla.explain(anymla.flash_mla_sparse_fwd, **a, **kw)
+
+
+# ---------------------------------------------------------------- automatic choice and explain
+
+def test_cpu_chooses_the_reference_first_and_says_why_not_the_others(fresh_dispatch):
+    d = explain_prefill(prefill_args())
+    assert (d.op, d.backend, d.source, d.device) == ("sparse_prefill", "reference", "auto", "cpu")
+    assert d.shape.startswith("sparse_prefill:s_q=2,h_q=4,d_qk=512")
+    rejected = dict(d.rejected)
+    assert "reference" not in rejected
+    assert set(rejected) == set(anymla.registered_backends()) - {"reference"}
+    assert any("npu" in r.lower() for r in rejected["ascendc"]), rejected["ascendc"]
+    if "triton" in anymla.available_backends("cpu"):
+        assert rejected["triton"] == ("supported, but reference comes first on cpu",)
+    text = str(d)
+    assert "reference (chosen by auto)" in text and "not ascendc:" in text
+
+
+def test_priority_orders_per_device():
+    """Accelerators put their fastest tier first; the CPU puts the reference first (Triton is interpreted there)."""
+    names = anymla.registered_backends()
+    # torch.device("npu") needs torch_npu; the priority only reads ``.type``.
+    order = {dev: [n for n in selection._priority(SimpleNamespace(type=dev)) if n in ("reference", "triton", "ascendc")]
+             for dev in ("cpu", "cuda", "npu")}
+    assert order["cpu"] == ["reference", "triton", "ascendc"]  # ascendc only as one of "the rest"
+    assert order["cuda"] == ["triton", "reference", "ascendc"]
+    assert order["npu"] == ["ascendc", "triton", "reference"]
+    assert sorted(selection._priority(SimpleNamespace(type="cpu"))) == sorted(names), "every backend is tried"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_chooses_triton_automatically():
+    a = prefill_inputs(2, 4, 512, 20, 8, device="cuda")
+    assert explain_prefill(a).backend == "triton"
+
+
+def test_a_device_without_a_priority_list_falls_back_to_the_reference(fresh_dispatch):
+    a = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in prefill_args().items()}
+    d = explain_prefill(a)
+    assert (d.backend, d.device) == ("reference", "meta")
+    assert dict(d.rejected)["triton"], "triton cannot run on meta and says why"
+
+
+def test_explain_returns_the_decision_object_the_call_uses(fresh_dispatch, monkeypatch):
+    a = prefill_args()
+    d1 = explain_prefill(a)
+    assert explain_prefill(prefill_args(seed=1)) is d1, "same signature -> the cached decision itself"
+    used = []
+    real_select = anymla.api.select
+    monkeypatch.setattr(anymla.api, "select", lambda *args: used.append(real_select(*args)) or used[-1])
+    anymla.flash_mla_sparse_fwd(**a)
+    assert used == [d1] and used[0] is d1
+
+
+def test_explain_accepts_the_op_name_and_raises_like_the_call(fresh_dispatch):
+    a = sparse_decode_inputs(1, 1, 4, 20, 8, fmt=anymla.kvcache.KVCacheFormat.V41_FP8, page=4)
+    d = anymla.explain("flash_mla_with_kvcache", **a, tile_scheduler_metadata=None)
+    assert d.op == "sparse_decode" and d.backend == "reference"
+    with pytest.raises(ValueError, match="^indices:"):
+        anymla.explain("flash_mla_with_kvcache", **dict(a, indices=a["indices"][:, :, None]),
+                       tile_scheduler_metadata=None)
+    with pytest.raises(ValueError, match="op: expected one of"):
+        anymla.explain("flash_mla_fwd", **a)
+    with pytest.raises(ValueError, match="op: expected one of"):
+        anymla.explain(print, **a)
+
+
+def test_explain_does_not_run_the_backend(probes):
+    d = explain_prefill(prefill_args(), backend="probe_a")
+    assert (d.backend, d.source) == ("probe_a", "keyword") and probes["probe_a"].calls == 0
+
+
+# ---------------------------------------------------------------- precedence
+
+def tuning_file(tmp_path, decision, backend):
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"choices": {f"{decision.device}|{decision.shape}": backend}}))
+    return str(path)
+
+
+def test_precedence_keyword_context_env_tuned_auto(probes, monkeypatch, tmp_path):
+    a = prefill_args()
+    auto = explain_prefill(a)
+    assert (auto.backend, auto.source) == ("reference", "auto")
+    selection.load_tuning(tuning_file(tmp_path, auto, "probe_a"))
+    assert (explain_prefill(a).backend, explain_prefill(a).source) == ("probe_a", "tuned")
+    monkeypatch.setenv(selection.ENV_BACKEND, "probe_b")
+    assert (explain_prefill(a).backend, explain_prefill(a).source) == ("probe_b", "env")
+    with anymla.use_backend("reference"):
+        assert (explain_prefill(a).backend, explain_prefill(a).source) == ("reference", "context")
+        d = explain_prefill(a, backend="probe_a")
+        assert (d.backend, d.source) == ("probe_a", "keyword")
+    monkeypatch.setenv(selection.ENV_BACKEND, "auto")  # "auto" means no override
+    assert explain_prefill(a).source == "tuned"
+    selection.load_tuning(None)
+    assert (explain_prefill(a).backend, explain_prefill(a).source) == ("reference", "auto")
+
+
+def test_tuning_file_from_the_environment(probes, monkeypatch, tmp_path):
+    a = prefill_args()
+    path = tuning_file(tmp_path, explain_prefill(a), "probe_b")
+    selection.clear_decision_cache()
+    monkeypatch.setenv(selection.ENV_TUNING, path)
+    d = explain_prefill(a)
+    assert (d.backend, d.source) == ("probe_b", "tuned")
+    anymla.flash_mla_sparse_fwd(**a)
+    assert probes["probe_b"].calls == 1
+
+
+def test_a_tuned_choice_that_cannot_run_falls_back(probes, tmp_path):
+    a = prefill_args()
+    selection.load_tuning(tuning_file(tmp_path, explain_prefill(a), "probe_a"))
+    probes["probe_a"].reasons.append("probe_a: deliberately unsupported")
+    selection.clear_decision_cache()
+    d = explain_prefill(a)
+    assert (d.backend, d.source) == ("reference", "auto")
+    assert dict(d.rejected)["probe_a"] == ("probe_a: deliberately unsupported",)
+
+
+def test_setting_anymla_tuning_applies_to_signatures_already_decided(probes, monkeypatch, tmp_path):
+    """The environment is read on every call, like ANYMLA_BACKEND: a cached decision must not hide it."""
+    a = prefill_args()
+    path = tuning_file(tmp_path, explain_prefill(a), "probe_b")
+    monkeypatch.setenv(selection.ENV_TUNING, path)
+    assert explain_prefill(a).backend == "probe_b"
+
+
+def test_unsetting_anymla_tuning_returns_to_automatic_choice(probes, monkeypatch, tmp_path):
+    a = prefill_args()
+    monkeypatch.setenv(selection.ENV_TUNING, tuning_file(tmp_path, explain_prefill(a), "probe_b"))
+    assert explain_prefill(a).backend == "probe_b"
+    monkeypatch.delenv(selection.ENV_TUNING)
+    assert explain_prefill(a).source == "auto"
+
+
+def test_env_override_is_read_on_every_call(probes, monkeypatch):
+    a = prefill_args()
+    assert explain_prefill(a).source == "auto"
+    monkeypatch.setenv(selection.ENV_BACKEND, "probe_a,reference")
+    assert (explain_prefill(a).backend, explain_prefill(a).source) == ("probe_a", "env")
+    monkeypatch.delenv(selection.ENV_BACKEND)
+    assert explain_prefill(a).source == "auto"
+
+
+# ---------------------------------------------------------------- use_backend
+
+@pytest.mark.parametrize("choice", ["probe_b", "probe_b,probe_a", ["probe_b", "probe_a"], ("probe_b",),
+                                    " probe_b , reference "], ids=repr)
+def test_use_backend_accepts_names_lists_and_comma_strings(probes, choice):
+    a = prefill_args()
+    with anymla.use_backend(choice):
+        d = explain_prefill(a)
+        anymla.flash_mla_sparse_fwd(**a)
+    assert (d.backend, d.source) == ("probe_b", "context")
+    assert probes["probe_b"].calls == 1 and probes["probe_a"].calls == 0
+    assert explain_prefill(a).source == "auto"
+
+
+def test_use_backend_list_skips_a_backend_that_cannot_run(probes):
+    probes["probe_a"].reasons.append("no")
+    with anymla.use_backend(["probe_a", "probe_b"]):
+        d = explain_prefill(prefill_args())
+    assert d.backend == "probe_b" and dict(d.rejected)["probe_a"] == ("no",)
+
+
+def test_use_backend_nests_and_restores_on_exit_and_on_exception(probes):
+    a = prefill_args()
+    with anymla.use_backend("probe_a"):
+        with anymla.use_backend("probe_b"):
+            assert explain_prefill(a).backend == "probe_b"
+        assert explain_prefill(a).backend == "probe_a"
+        with anymla.use_backend(None):  # None: automatic selection inside the block
+            assert explain_prefill(a).source == "auto"
+        with pytest.raises(KeyError):
+            with anymla.use_backend("probe_b"):
+                raise KeyError("boom")
+        assert explain_prefill(a).backend == "probe_a"
+    assert explain_prefill(a).source == "auto"
+
+
+@pytest.mark.parametrize("choice", ["", [], ",", "nope", ["reference", "nope"]], ids=repr)
+def test_use_backend_rejects_empty_and_unknown_choices_at_once(choice):
+    with pytest.raises(ValueError):
+        with anymla.use_backend(choice):
+            pytest.fail("the block must not run")
+
+
+# ---------------------------------------------------------------- errors
+
+def test_an_explicit_backend_that_cannot_run_raises_with_its_reasons(fresh_dispatch):
+    a = prefill_args()
+    with pytest.raises(anymla.BackendNotSupported) as err:
+        anymla.flash_mla_sparse_fwd(**a, backend="ascendc")
+    msg = str(err.value)
+    assert "ascendc" in msg and "from keyword" in msg and "sparse_prefill" in msg and "cpu" in msg
+    assert "npu" in msg.lower(), msg
+
+
+def test_ascendc_does_not_implement_dense_decoding(fresh_dispatch):
+    a = dense_decode_inputs(1, 1, 4, 1, 10, page=4)
+    with pytest.raises(anymla.BackendNotSupported, match="does not implement dense_decode"):
+        anymla.flash_mla_with_kvcache(**a, tile_scheduler_metadata=None, backend="ascendc")
+
+
+def test_every_backend_of_a_list_is_reported(probes):
+    probes["probe_a"].reasons.append("reason A")
+    probes["probe_b"].reasons.append("reason B")
+    with pytest.raises(anymla.BackendNotSupported) as err:
+        with anymla.use_backend("probe_a,probe_b"):
+            anymla.flash_mla_sparse_fwd(**prefill_args())
+    msg = str(err.value)
+    assert "from context" in msg and "probe_a: reason A" in msg and "probe_b: reason B" in msg
+
+
+@pytest.mark.parametrize("where", ["keyword", "env"])
+def test_unknown_backend_name_lists_the_registered_ones(fresh_dispatch, monkeypatch, where):
+    a = prefill_args()
+    if where == "env":
+        monkeypatch.setenv(selection.ENV_BACKEND, "cudnn")
+    with pytest.raises(ValueError) as err:
+        anymla.flash_mla_sparse_fwd(**a, **({"backend": "cudnn"} if where == "keyword" else {}))
+    msg = str(err.value)
+    assert "cudnn" in msg and all(n in msg for n in anymla.registered_backends()), msg
+
+
+def test_unknown_backend_in_get_backend():
+    with pytest.raises(ValueError, match="registered: reference"):
+        anymla.get_backend("nope")
+
+
+def test_register_backend_rejects_a_backend_without_name_or_with_unknown_ops():
+    class NoName(Backend):
+        ops = frozenset(OPS)
+
+    class BadOps(Backend):
+        name = "bad_ops"
+        ops = frozenset({"dense_prefill"})
+
+    for b in (NoName(), BadOps()):
+        with pytest.raises(ValueError, match="backend"):
+            anymla.register_backend(b)
+    assert "bad_ops" not in anymla.registered_backends()
+
+
+# ---------------------------------------------------------------- fallback and availability
+
+@pytest.fixture
+def broken_first(fresh_dispatch, monkeypatch):
+    """A backend that always reports a reason, registered and put first in the CPU priority order."""
+    broken = anymla.register_backend(Probe("broken", reasons=["broken: always refuses (test backend)"]))
+    monkeypatch.setitem(selection.PRIORITY, "cpu", ("broken",) + selection.PRIORITY["cpu"])
+    yield broken
+    anymla.unregister_backend("broken")
+    selection.clear_decision_cache()
+
+
+def test_automatic_selection_falls_back_past_a_backend_that_refuses(broken_first):
+    a = prefill_args()
+    d = explain_prefill(a)
+    assert (d.backend, d.source) == ("reference", "auto")
+    assert dict(d.rejected)["broken"] == ("broken: always refuses (test backend)",)
+    assert "not broken: broken: always refuses" in str(d)
+    out = anymla.flash_mla_sparse_fwd(**a)
+    compare_outputs("sparse_prefill", out, anymla.flash_mla_sparse_fwd(**a, backend="reference"))
+    assert broken_first.calls == 0
+
+
+def test_when_no_backend_can_run_the_error_lists_every_reason(broken_first, monkeypatch):
+    monkeypatch.setitem(selection.PRIORITY, "cpu", ("broken",))
+    for name in anymla.registered_backends():
+        if name != "broken":
+            monkeypatch.setattr(anymla.get_backend(name), "not_supported_reasons",
+                                lambda problem, name=name: [f"{name} switched off by the test"])
+    with pytest.raises(anymla.BackendNotSupported, match="no backend can run") as err:
+        anymla.flash_mla_sparse_fwd(**prefill_args())
+    assert "broken: always refuses" in str(err.value) and "reference switched off" in str(err.value)
+
+
+def test_external_peers_are_never_chosen_automatically(fresh_dispatch, monkeypatch):
+    peer = Probe("peer_for_test")
+    peer.auto_select = False
+    anymla.register_backend(peer)
+    monkeypatch.setitem(selection.PRIORITY, "cpu", ("peer_for_test",) + selection.PRIORITY["cpu"])
+    try:
+        d = explain_prefill(prefill_args())
+        assert d.backend == "reference" and "external peer" in dict(d.rejected)["peer_for_test"][0]
+        assert explain_prefill(prefill_args(), backend="peer_for_test").backend == "peer_for_test"
+    finally:
+        anymla.unregister_backend("peer_for_test")
+
+
+def test_available_backends_on_cpu():
+    names = anymla.available_backends("cpu")
+    assert names[0] == "reference" and "ascendc" not in names
+    # Triton runs on the CPU only through its interpreter (conftest sets TRITON_INTERPRET=1 when there is no GPU).
+    assert ("triton" in names) == (os.environ.get("TRITON_INTERPRET") == "1")
+    assert anymla.available_backends(torch.device("cpu")) == names
+    assert anymla.available_backends("meta") == ["reference"]
+    assert anymla.available_backends() == anymla.available_backends(selection.default_device())
+
+
+def test_an_unregistered_backend_is_never_called_again(fresh_dispatch, monkeypatch):
+    fast = anymla.register_backend(Probe("fast_for_test"))
+    monkeypatch.setitem(selection.PRIORITY, "cpu", ("fast_for_test",) + selection.PRIORITY["cpu"])
+    a = prefill_args()
+    anymla.flash_mla_sparse_fwd(**a)
+    assert fast.calls == 1
+    anymla.unregister_backend("fast_for_test")
+    anymla.flash_mla_sparse_fwd(**a)
+    assert fast.calls == 1 and explain_prefill(a).backend == "reference"
+
+
+def test_replacing_a_backend_takes_effect_for_signatures_already_decided(fresh_dispatch):
+    a = prefill_args()
+    old = anymla.register_backend(Probe("swap_for_test"))
+    try:
+        anymla.flash_mla_sparse_fwd(**a, backend="swap_for_test")
+        new = anymla.register_backend(Probe("swap_for_test"))  # same name, new object
+        anymla.flash_mla_sparse_fwd(**a, backend="swap_for_test")
+        assert (old.calls, new.calls) == (1, 1)
+    finally:
+        anymla.unregister_backend("swap_for_test")
+
+
+# ---------------------------------------------------------------- wrong numbers are caught
+
+def _scaled(factor):
+    return lambda op, outs: (outs[0] * factor,) + tuple(outs[1:])
+
+
+def _lse_shifted(op, outs):
+    lse_at = 2 if op == "sparse_prefill" else 1
+    return tuple(o + 1e-3 if i == lse_at else o for i, o in enumerate(outs))
+
+
+def _one_nan(op, outs):
+    out = outs[0].clone()
+    out.view(-1)[out.numel() // 2] = float("nan")  # one unwritten element
+    return (out,) + tuple(outs[1:])
+
+
+def _heads_swapped(op, outs):
+    out = outs[0].clone()
+    out[..., 0, :], out[..., 1, :] = outs[0][..., 1, :], outs[0][..., 0, :]
+    return (out,) + tuple(outs[1:])
+
+
+def _empty_row_not_inf(op, outs):
+    at = 2 if op == "sparse_prefill" else 1
+    lse = outs[at].clone()
+    assert torch.isposinf(lse).any(), "the inputs have an empty row"
+    lse[torch.isposinf(lse)] = 0.0
+    return tuple(lse if i == at else o for i, o in enumerate(outs))
+
+
+CORRUPTIONS = {"out-x1.02": _scaled(1.02), "lse+1e-3": _lse_shifted, "one-nan": _one_nan,
+               "heads-swapped": _heads_swapped, "empty-lse-not-inf": _empty_row_not_inf}
+
+
+def _op_args():
+    pre = prefill_args(seed=5)
+    pre["indices"][0] = -1  # one empty row, so the inf positions matter
+    dec = sparse_decode_inputs(2, 1, 4, 20, 8, fmt=anymla.kvcache.KVCacheFormat.V32_FP8, page=4, seed=6)
+    dec["indices"][0] = -1
+    den = dense_decode_inputs(2, 1, 4, 1, 10, page=4, seed=7)
+    den["cache_seqlens"][0] = 0
+    return {"sparse_prefill": (anymla.flash_mla_sparse_fwd, pre),
+            "sparse_decode": (anymla.flash_mla_with_kvcache, dict(dec, tile_scheduler_metadata=None)),
+            "dense_decode": (anymla.flash_mla_with_kvcache, dict(den, tile_scheduler_metadata=None))}
+
+
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
+@pytest.mark.parametrize("op", OPS)
+def test_compare_outputs_catches_a_backend_returning_wrong_numbers(fresh_dispatch, op, corruption):
+    wrong = anymla.register_backend(Probe("wrong_for_test", corrupt=CORRUPTIONS[corruption]))
+    try:
+        fn, args = _op_args()[op]
+        got = fn(**args, backend="wrong_for_test")
+        ref = fn(**args, backend="reference")
+        compare_outputs(op, ref, fn(**args, backend="reference"))  # the reference agrees with itself
+        with pytest.raises(AssertionError, match=op):
+            compare_outputs(op, got, ref)
+        assert wrong.calls == 1
+    finally:
+        anymla.unregister_backend("wrong_for_test")
+
+
+# ---------------------------------------------------------------- decision cache
+
+def test_one_signature_is_validated_once(fresh_dispatch, monkeypatch):
+    calls = []
+    real = SparsePrefill.validate
+    monkeypatch.setattr(SparsePrefill, "validate", lambda self: calls.append(1) or real(self))
+    a = prefill_args()
+    for seed in range(6):  # new values, same signature
+        anymla.flash_mla_sparse_fwd(**prefill_args(seed=seed))
+    assert len(calls) == 1
+    anymla.flash_mla_sparse_fwd(**prefill_inputs(1, 4, 512, 20, 8))  # another shape
+    anymla.flash_mla_sparse_fwd(**dict(a, kv=non_contiguous(a["kv"])))  # other strides
+    anymla.flash_mla_sparse_fwd(**a, backend="reference")  # another override
+    assert len(calls) == 4
+    anymla.flash_mla_sparse_fwd(**a, backend="reference")
+    assert len(calls) == 4
+
+
+def test_a_rejected_signature_is_not_cached(fresh_dispatch):
+    a = prefill_args()
+    for _ in range(2):  # validation runs (and raises) every time for bad input
+        with pytest.raises(ValueError, match="^sm_scale:"):
+            anymla.flash_mla_sparse_fwd(**dict(a, sm_scale=-1.0))
+
+
+def test_load_tuning_clears_the_decision_cache(probes, tmp_path):
+    a = prefill_args()
+    before = explain_prefill(a)
+    selection.load_tuning(tuning_file(tmp_path, before, "probe_a"))
+    after = explain_prefill(a)
+    assert after is not before and after.backend == "probe_a"
