@@ -58,11 +58,12 @@ def assert_bitwise(got, expected):
 
 @pytest.mark.parametrize("which", LAYOUT_BACKENDS)
 def test_prefill_output_shapes_dtypes_strides(which, device):
-    out, max_logits, lse = anymla.flash_mla_sparse_fwd(**prefill_args(device, h_q=5, s_q=3), backend=which)
+    args = prefill_args(device, h_q=5, s_q=3)
+    out, max_logits, lse = anymla.flash_mla_sparse_fwd(**args, backend=which)
     assert out.shape == (3, 5, 512) and out.dtype == torch.bfloat16 and out.is_contiguous()
     for t in (max_logits, lse):
         assert t.shape == (3, 5) and t.dtype == torch.float32 and t.is_contiguous()
-    assert out.device == max_logits.device == lse.device == device
+    assert out.device == max_logits.device == lse.device == args["q"].device  # "cuda:0", not the fixture's "cuda"
 
 
 @pytest.mark.parametrize("which", LAYOUT_BACKENDS)
