@@ -196,3 +196,17 @@ def test_both_lazy_rescale_variants(backend, skip_scale, tol_scale, device):
         args = dense_decode_inputs(2, 2, 32, 1, 300, causal=True, device=device, seed=13)
         got, ref = _decode_pair(args, backend)
         compare_outputs("dense_decode", got, ref, scale=tol_scale)
+
+
+@pytest.mark.parametrize("fmt", (F.V32_FP8, F.MODEL1_FP8, F.V41_FP8), ids=lambda f: f.name)
+def test_ascend_portable_loads(backend, fmt, tol_scale, device):
+    """The loads Ascend compiles (byte-assembled fp32/bf16 fields, FP4 nibbles by select) against the
+    reference here, since no NPU runs them: every format with its rope/scale fields, FP4 as an extra cache."""
+    if backend != "triton":
+        pytest.skip("load variants belong to the Triton tier")
+    from anymla.triton_kernels import tuning
+    extra = dict(fmt=F.V41_FP4, page=5, s_k=150, topk=64, topk_length=True) if fmt is not F.V32_FP8 else None
+    args = sparse_decode_inputs(2, 1, 32, 300, 100, fmt=fmt, extra=extra, sink=True, device=device, seed=21)
+    with tuning.forced(portable=True):
+        got, ref = _decode_pair(args, backend)
+    compare_outputs("sparse_decode", got, ref, scale=tol_scale)

@@ -21,10 +21,12 @@ import dataclasses
 import importlib
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
 import types
+from typing import Callable, Optional
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _WORK = tempfile.mkdtemp(prefix="ascend_check_")
@@ -73,6 +75,7 @@ _DTYPE_BITS = {"f32": 32, "i32": 32, "f16": 16, "bf16": 16, "i16": 16, "i8": 8, 
 _CAST = re.compile(r"hivm\.hir\.pointer_cast\(([^)]*)\).*?memref<([^>]*?)x?([a-z]+\d+)(?:,[^>]*)?,"
                    r" #hivm\.address_space<(\w+)>>")
 _SPACES = {"ub": "UB", "cbuf": "L1", "cc": "L0C"}
+_HIVMC = "External hivmc run fails"
 _OVERFLOW = re.compile(r"(\w+) overflow, requires (\d+) bits while (\d+) bits available")
 
 
@@ -90,19 +93,24 @@ def _high_water(mlir: str) -> dict:
 
 
 def _first_error(e: Exception) -> str:
-    """The innermost front-end error (kernel source line + message), or the first ``error:`` line of the
-    MLIR pipeline."""
+    """The innermost front-end error (kernel source line + message), else the first located ``error:`` of
+    the adapter, else a compiler abort (LLVM ERROR, assertion), else the exception's last line."""
     while isinstance(e.__cause__, triton.compiler.errors.CompilationError):
         e = e.__cause__
     if isinstance(e, triton.compiler.errors.CompilationError):
         line = e.src.split("\n")[e.node.lineno - 1].strip() if e.src and hasattr(e.node, "lineno") else ""
         return f"`{line}`: {(e.error_message or '').strip().splitlines()[-1]}"
-    lines = [l for l in str(e).splitlines() if "error:" in l and "External hivmc run fails" not in l]
-    first = lines[0] if lines else f"{type(e).__name__}: {str(e).strip().splitlines()[-1]}"
-    return re.sub(r'^loc\("[^"]*"(:\d+:\d+)?\)+: ', "", first.strip())
+    msg = str(e)
+    located = re.search(r"([\w.]+):(\d+):\d+: error: (.*)", msg)
+    if located:
+        return "{}:{}: {}".format(*located.groups())
+    abort = re.search(r"LLVM ERROR: .*|Assertion .*", msg)
+    if abort:
+        return abort.group(0).strip()[:200]
+    return f"{type(e).__name__}: {msg.strip().splitlines()[-1] if msg.strip() else ''}"
 
 
-def check(fn, signature: dict, constants: dict, soc: str) -> tuple[str, str, bool]:
+def check(fn, signature: dict, constants: dict, soc: str) -> tuple:
     """Compile ``fn`` for ``soc`` up to the missing ``hivmc``: (PASS|FAIL, high-water or error, overflowed)."""
     target = GPUTarget("npu", soc, 0)
 
@@ -113,16 +121,16 @@ def check(fn, signature: dict, constants: dict, soc: str) -> tuple[str, str, boo
     type(make_backend(target)).add_stages.__globals__["NPUUtils"] = _Arch
     save = os.environ["ASCEND_CHECK_SAVE"] = tempfile.mkdtemp(dir=_WORK)
     try:
-        triton.compile(ASTSource(fn, signature, constants), target=target)
-        return "FAIL", "unexpected: compiled without hivmc?", False
+        triton.compile(ASTSource(fn, signature, constants), target=target)  # succeeds only where CANN is installed
     except Exception as e:  # every failure is a row of the table, not a crash
         msg = str(e)
         over = _OVERFLOW.findall(msg)
         if over:
             return "FAIL", "; ".join(f"{_SPACES.get(s, s)} overflow: needs {int(n)} bits > {int(a)}"
                                      for s, n, a in dict.fromkeys(over)), True
-        if "External hivmc run fails" not in msg or "): error: " in msg.replace(
-                "error: External hivmc run fails", ""):
+        # A PASS stops at the missing hivmc and nowhere before (no other error, no compiler abort).
+        others = [l for l in msg.splitlines() if re.search(r": error: |LLVM ERROR|Assertion", l) and _HIVMC not in l]
+        if _HIVMC not in msg or others:
             return "FAIL", _first_error(e), False
     path = os.path.join(save, "module.hivm.opt.mlir")
     top = _high_water(open(path).read()) if os.path.exists(path) else {}
@@ -131,9 +139,19 @@ def check(fn, signature: dict, constants: dict, soc: str) -> tuple[str, str, boo
 
 # --- the variants ------------------------------------------------------------------------------------------
 
+@dataclasses.dataclass
+class Variant:
+    kernel: str
+    label: str
+    fn: object  # the @triton.jit function
+    pointers: dict  # element types of the pointer arguments that are not fp32
+    constexprs: Callable  # tile (or None) -> the launcher's constexprs
+    tile: Optional[object] = None  # the npu TileConfig of tuning.py; None for the untiled combine
+
+
 def _signature(fn, pointers: dict, constants: dict) -> dict:
-    """Triton 3.2 signature: constexprs (and the None TMA descriptors, specialized as constexpr like the
-    launcher's None arguments) as "constexpr", pointers typed from ``pointers`` (else fp32), ints i32."""
+    """Triton 3.2 signature: constexprs (and the None TMA descriptors, which the launcher's None arguments
+    specialize as constexprs) as "constexpr", pointers typed from ``pointers`` (else fp32), the rest i32."""
     sig = {}
     for name in fn.arg_names:
         if name in constants:
@@ -145,75 +163,79 @@ def _signature(fn, pointers: dict, constants: dict) -> dict:
     return sig
 
 
-def variants(common, tuning, sparse, dense):
-    """(kernel, variant, fn, pointer types, constexprs or a function of the tile, npu tile or None)."""
-    # The Ascend launch: no fp8 types, no interpreter, no TMA, the npu rows of tuning.py.
-    ascend = dict(NATIVE_FP8=False, INTERPRET=False)
-    s_tile = tuning.sparse_config("npu", 128, True)
+_FMT_NAMES = {0: "BF16", 1: "V32_FP8", 2: "MODEL1_FP8", 3: "V41_FP8", 4: "V41_FP4"}
 
-    def sparse_consts(d_qk, fmt, x_fmt, split, prefill):
-        return lambda t: dict(D_QK=d_qk, FMT=fmt, X_FMT=x_fmt if x_fmt is not None else fmt,
-                              HAS_X=x_fmt is not None, HAS_LEN=True, HAS_X_LEN=x_fmt is not None, HAS_SINK=True,
-                              WRITE_MAX=prefill, SPLIT=split, BLOCK_H=t.block_h, BLOCK_N=t.block_n,
-                              SKIP_SCALE=t.skip_scale, NUM_STAGES=t.num_stages, **ascend)
 
-    def sparse_ptrs(fmt, x_fmt):
-        kv = lambda f: "*bf16" if f == 0 else "*u8"  # noqa: E731  (quantized caches are byte views)
-        return {"q_ptr": "*bf16", "out_ptr": "*bf16", "kv_ptr": kv(fmt), "x_kv_ptr": kv(fmt if x_fmt is None else x_fmt),
-                "idx_ptr": "*i32", "x_idx_ptr": "*i32", "len_ptr": "*i32", "x_len_ptr": "*i32"}
+def variants(common, tuning, sparse, dense) -> list:
+    """What the Ascend launchers pass: no fp8 types (NATIVE_FP8 False), byte-assembled loads (PORTABLE), no
+    interpreter, no TMA descriptors, the npu tiles of tuning.py (SKIP_SCALE = the block-wide lazy rescale). Optional inputs (lengths, sink)
+    are on, so every branch a format can take is compiled."""
+    def sparse_variant(label, d_qk, fmt, x_fmt, split, prefill):
+        kv = {f: "*bf16" if f == 0 else "*u8" for f in (fmt, x_fmt)}  # quantized caches are byte views
+        pointers = {"q_ptr": "*bf16", "out_ptr": "*bf16", "kv_ptr": kv[fmt], "x_kv_ptr": kv[x_fmt or fmt],
+                    "idx_ptr": "*i32", "x_idx_ptr": "*i32", "len_ptr": "*i32", "x_len_ptr": "*i32"}
+        has_x = x_fmt is not None
+        return Variant("sparse_mla", label, sparse.sparse_mla_kernel, pointers, lambda t: dict(
+            D_QK=d_qk, FMT=fmt, X_FMT=x_fmt or fmt, HAS_X=has_x, HAS_LEN=True, HAS_X_LEN=has_x, HAS_SINK=True,
+            WRITE_MAX=prefill, SPLIT=split, BLOCK_H=t.block_h, BLOCK_N=t.block_n, SKIP_SCALE=t.skip_scale,
+            NATIVE_FP8=False, PORTABLE=True, INTERPRET=False, NUM_STAGES=t.num_stages),
+            tuning.sparse_config("npu", 128, fmt != 0))
 
-    out = []
-    for d_qk in (576, 512):
-        out.append(("sparse_mla", f"prefill bf16 d{d_qk}", sparse.sparse_mla_kernel, sparse_ptrs(0, None),
-                    sparse_consts(d_qk, 0, None, False, True), s_tile))
-    names = {1: "V32_FP8", 2: "MODEL1_FP8", 3: "V41_FP8", 4: "V41_FP4"}
+    def dense_variant(causal, split):
+        pointers = {"q_ptr": "*bf16", "out_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "lens_ptr": "*i32"}
+        label = f"d576 {'causal' if causal else 'noncausal'} {'split' if split else 'nosplit'}"
+        return Variant("dense_decode", label, dense.dense_decode_kernel, pointers, lambda t: dict(
+            D_QK=576, CAUSAL=causal, HAS_SINK=True, SPLIT=split, USE_TMA=False, k_desc=None, r_desc=None,
+            BLOCK_H=t.block_h, BLOCK_N=t.block_n, SKIP_SCALE=t.skip_scale, INTERPRET=False,
+            NUM_STAGES=t.num_stages), tuning.dense_config("npu", 128))
+
+    out = [sparse_variant(f"prefill bf16 d{d}", d, 0, None, False, True) for d in (576, 512)]
     for fmt in (1, 2, 3, 4):
-        d_qk = 576 if fmt == 1 else 512
         # An extra cache has the main cache's d_qk: V32_FP8 for d576, V41_FP4 (V4.1's extra format) for d512.
         for x_fmt in (None, 1 if fmt == 1 else 4):
             for split in (False, True):
-                label = f"decode {names[fmt]}{'+' + names[x_fmt] if x_fmt else ''} {'split' if split else 'nosplit'}"
-                out.append(("sparse_mla", label, sparse.sparse_mla_kernel, sparse_ptrs(fmt, x_fmt),
-                            sparse_consts(d_qk, fmt, x_fmt, split, False), s_tile))
-    d_tile = tuning.dense_config("npu", 128)
-    for causal in (False, True):
-        for split in (False, True):
-            consts = lambda t, c=causal, s=split: dict(  # noqa: E731
-                D_QK=576, CAUSAL=c, HAS_SINK=True, SPLIT=s, USE_TMA=False, k_desc=None, r_desc=None,
-                BLOCK_H=t.block_h, BLOCK_N=t.block_n, SKIP_SCALE=t.skip_scale, INTERPRET=False,
-                NUM_STAGES=t.num_stages)
-            out.append(("dense_decode", f"d576 {'causal' if causal else 'noncausal'} {'split' if split else 'nosplit'}",
-                        dense.dense_decode_kernel,
-                        {"q_ptr": "*bf16", "out_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "lens_ptr": "*i32"},
-                        consts, d_tile))
-    # splits.combine launches BLOCK_D 128 and MAX_SPLITS = next_pow2(splits) <= 64; 64 is the largest tile.
-    out.append(("combine", "sink BLOCK_D128 MAX_SPLITS64", common.combine_kernel, {"out_ptr": "*bf16"},
-                dict(HAS_SINK=True, BLOCK_D=128, MAX_SPLITS=64), None))
+                extra = f"+{_FMT_NAMES[x_fmt]}" if x_fmt else ""
+                out.append(sparse_variant(f"decode {_FMT_NAMES[fmt]}{extra} {'split' if split else 'nosplit'}",
+                                          576 if fmt == 1 else 512, fmt, x_fmt, split, False))
+    out += [dense_variant(causal, split) for causal in (False, True) for split in (False, True)]
+    # splits.combine launches BLOCK_D 128 and MAX_SPLITS = next_pow2(splits) <= 64: 64 is its largest tile.
+    out.append(Variant("combine", "sink BLOCK_D128 MAX_SPLITS64", common.combine_kernel, {"out_ptr": "*bf16"},
+                       lambda t: dict(HAS_SINK=True, BLOCK_D=128, MAX_SPLITS=64)))
     return out
+
+
+def _fewer_keys(tile):
+    """``tile``, then halved key blocks down to 8 rows."""
+    yield tile
+    while tile.block_n > 8:
+        tile = dataclasses.replace(tile, block_n=tile.block_n // 2)
+        yield tile
 
 
 def main() -> int:
     only = sys.argv[1] if len(sys.argv) > 1 else ""
     compiler_dir = _install_compiler_wrapper()
     common, tuning, sparse, dense = _load_kernels()
-    print(f"triton-ascend {triton.__version__}, bishengir-compile from {compiler_dir}\n")
-    print(f"{'kernel':13s} {'variant':34s} {'SoC':15s} {'tile':9s} result  high-water (K = KiB) / first error")
+    print(f"triton-ascend {triton.__version__}, bishengir-compile in {compiler_dir}\n")
+    print(f"{'kernel':13s} {'variant':34s} {'SoC':15s} {'tile':8s} result  high-water (K = KiB) or first error")
     t0, failed = time.time(), 0
-    for kernel, label, fn, ptrs, consts, tile in variants(common, tuning, sparse, dense):
-        if only not in f"{kernel} {label}":
-            continue
-        for soc in SOCS:
-            # The npu tile first; after an overflow, fewer keys per block (the largest live tiles are [BLOCK_N, 512]).
-            tiles = [tile, dataclasses.replace(tile, block_n=16)] if tile else [None]
-            for t in tiles:
-                constants = consts(t) if t else consts
-                status, info, overflow = check(fn, _signature(fn, ptrs, constants), constants, soc)
-                name = f"H{t.block_h} N{t.block_n}" if t else "-"
-                print(f"{kernel:13s} {label:34s} {soc:15s} {name:9s} {status:6s}  {info}", flush=True)
-                if not overflow:
-                    break
-            failed += status != "PASS"
-    print(f"\n{failed} variant x SoC combinations fail (at the smallest tile tried); {time.time() - t0:.0f} s")
+    try:
+        for v in variants(common, tuning, sparse, dense):
+            if only not in f"{v.kernel} {v.label}":
+                continue
+            for soc in SOCS:
+                # The npu tile first; after an overflow, fewer keys a block (the big live tiles are [BLOCK_N, 512]).
+                for tile in _fewer_keys(v.tile) if v.tile else [None]:
+                    constants = v.constexprs(tile)
+                    status, info, overflow = check(v.fn, _signature(v.fn, v.pointers, constants), constants, soc)
+                    name = f"H{tile.block_h} N{tile.block_n}" if tile else "-"
+                    print(f"{v.kernel:13s} {v.label:34s} {soc:15s} {name:8s} {status:6s}  {info}", flush=True)
+                    if not overflow:
+                        break
+                failed += status != "PASS"
+    finally:
+        shutil.rmtree(_WORK, ignore_errors=True)
+    print(f"\n{failed} (variant, SoC) pairs fail, at the last tile tried; {time.time() - t0:.0f} s")
     return 1 if failed else 0
 
 

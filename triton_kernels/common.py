@@ -55,6 +55,24 @@ def e8m0_to_f32(b):
 
 
 @triton.jit
+def load_bf16_bytes(byte_ptr, mask):
+    """bf16 values stored little-endian at byte addresses, assembled from single bytes: triton-ascend
+    rejects casts between pointers of different widths."""
+    lo = tl.load(byte_ptr, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(byte_ptr + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def load_f32_bytes(byte_ptr, mask):
+    """fp32 values stored little-endian at byte addresses, assembled from single bytes (see above)."""
+    word = tl.load(byte_ptr, mask=mask, other=0).to(tl.uint32)
+    for i in tl.static_range(1, 4):
+        word |= tl.load(byte_ptr + i, mask=mask, other=0).to(tl.uint32) << (8 * i)
+    return word.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _scaled(q, scales, TILE: tl.constexpr):
     """``q [BN, 512] * scales [BN, 512 // TILE]`` broadcast over tiles of TILE columns (scales stay small:
     a per-element scale gather would be staged through shared memory as a [BN, 512] tile)."""
@@ -64,46 +82,63 @@ def _scaled(q, scales, TILE: tl.constexpr):
 
 
 @triton.jit
-def load_latent(kv_ptr, row, srow, valid, FMT: tl.constexpr, DTYPE: tl.constexpr, NATIVE_FP8: tl.constexpr):
+def load_latent(kv_ptr, row, srow, valid, FMT: tl.constexpr, DTYPE: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                PORTABLE: tl.constexpr = False):
     """The 512 leading columns (the V part) of the latent rows whose data starts at ``row`` and whose
-    scales start at ``srow`` (element offsets for BF16, byte offsets otherwise; see ``row_offsets``)."""
+    scales start at ``srow`` (element offsets for BF16, byte offsets otherwise; see ``row_offsets``).
+
+    ``PORTABLE`` (Ascend) reads multi-byte fields byte by byte and unpacks FP4 nibbles with a select:
+    triton-ascend 3.2 rejects pointer casts and its memory planner fails on the join-and-reshape unpack."""
     col = tl.arange(0, 512)
     m = valid[:, None]
     if FMT == FMT_BF16:
         k = tl.load(kv_ptr + row[:, None] + col[None, :], mask=m, other=0.0)
     elif FMT == FMT_V32_FP8:
         q = e4m3_to_f32(tl.load(kv_ptr + row[:, None] + col[None, :], mask=m, other=0), NATIVE_FP8)
-        s_ptr = (kv_ptr + srow).to(tl.pointer_type(tl.float32))
-        s = tl.load(s_ptr[:, None] + tl.arange(0, 4)[None, :], mask=m, other=0.0)
+        if PORTABLE:
+            s = load_f32_bytes(kv_ptr + srow[:, None] + 4 * tl.arange(0, 4)[None, :], m)
+        else:
+            s_ptr = (kv_ptr + srow).to(tl.pointer_type(tl.float32))
+            s = tl.load(s_ptr[:, None] + tl.arange(0, 4)[None, :], mask=m, other=0.0)
         k = _scaled(q, s, 128).to(DTYPE)
     elif FMT == FMT_V41_FP8:
         q = e4m3_to_f32(tl.load(kv_ptr + row[:, None] + col[None, :], mask=m, other=0), NATIVE_FP8)
         s = e8m0_to_f32(tl.load(kv_ptr + srow[:, None] + tl.arange(0, 16)[None, :], mask=m, other=0))
         k = _scaled(q, s, 32).to(DTYPE)
     elif FMT == FMT_V41_FP4:
-        byte = tl.load(kv_ptr + row[:, None] + tl.arange(0, 256)[None, :], mask=m, other=0)
         # element 2i sits in the low nibble of byte i, element 2i + 1 in the high nibble
-        v = tl.reshape(tl.join(e2m1_to_f32(byte & 0xF), e2m1_to_f32(byte >> 4)), (byte.shape[0], 512))
+        if PORTABLE:
+            byte = tl.load(kv_ptr + row[:, None] + (col // 2)[None, :], mask=m, other=0)
+            v = e2m1_to_f32(tl.where((col % 2 == 0)[None, :], byte & 0xF, byte >> 4))
+        else:
+            byte = tl.load(kv_ptr + row[:, None] + tl.arange(0, 256)[None, :], mask=m, other=0)
+            v = tl.reshape(tl.join(e2m1_to_f32(byte & 0xF), e2m1_to_f32(byte >> 4)), (byte.shape[0], 512))
         s = e4m3_to_f32(tl.load(kv_ptr + srow[:, None] + tl.arange(0, 32)[None, :], mask=m, other=0), NATIVE_FP8)
         k = _scaled(v, s, 16).to(DTYPE)
     else:
         # MODEL1: [0, 448) e4m3 with e8m0 scales per 64 (7 per row), then [448, 512) bf16 rope at byte 448.
         is_fp8 = col < 448
         q = e4m3_to_f32(tl.load(kv_ptr + row[:, None] + col[None, :], mask=m & is_fp8[None, :], other=0), NATIVE_FP8)
-        t = tl.arange(0, 8)
-        s = e8m0_to_f32(tl.load(kv_ptr + srow[:, None] + t[None, :], mask=m & (t < 7)[None, :], other=0))
-        rope_ptr = (kv_ptr + row + 448).to(tl.pointer_type(tl.bfloat16))
-        r = tl.load(rope_ptr[:, None] + (col - 448)[None, :], mask=m & (~is_fp8)[None, :], other=0.0)
+        # The 8th scale byte is padding: whatever it holds only scales columns the select below discards.
+        s = e8m0_to_f32(tl.load(kv_ptr + srow[:, None] + tl.arange(0, 8)[None, :], mask=m, other=0))
+        rope_mask = m & (~is_fp8)[None, :]
+        if PORTABLE:
+            r = load_bf16_bytes(kv_ptr + row[:, None] + 448 + 2 * (col % 64)[None, :], rope_mask)
+        else:
+            rope_ptr = (kv_ptr + row + 448).to(tl.pointer_type(tl.bfloat16))
+            r = tl.load(rope_ptr[:, None] + (col - 448)[None, :], mask=rope_mask, other=0.0)
         k = tl.where(is_fp8[None, :], _scaled(q, s, 64), r.to(tl.float32)).to(DTYPE)
     return k
 
 
 @triton.jit
-def load_latent_rope(kv_ptr, row, valid, FMT: tl.constexpr):
+def load_latent_rope(kv_ptr, row, valid, FMT: tl.constexpr, PORTABLE: tl.constexpr = False):
     """The 64 rope columns ``[512, 576)`` of d_qk = 576 rows (BF16 or V32_FP8, both store them as bf16)."""
     c = tl.arange(0, 64)
     if FMT == FMT_BF16:
         r = tl.load(kv_ptr + row[:, None] + 512 + c[None, :], mask=valid[:, None], other=0.0)
+    elif PORTABLE:
+        r = load_bf16_bytes(kv_ptr + row[:, None] + 528 + 2 * c[None, :], valid[:, None])
     else:
         rope_ptr = (kv_ptr + row + 528).to(tl.pointer_type(tl.bfloat16))
         r = tl.load(rope_ptr[:, None] + c[None, :], mask=valid[:, None], other=0.0)

@@ -84,7 +84,7 @@ def sparse_constexprs(tile: TileConfig, d_qk: int, fmt: int, extra_fmt=None, wri
     return dict(D_QK=d_qk, FMT=fmt, X_FMT=fmt if extra_fmt is None else extra_fmt, HAS_X=extra_fmt is not None,
                 HAS_LEN=False, HAS_X_LEN=False, HAS_SINK=False, WRITE_MAX=write_max, SPLIT=False,
                 BLOCK_H=tile.block_h, BLOCK_N=tile.block_n, SKIP_SCALE=tile.skip_scale, NATIVE_FP8=True,
-                INTERPRET=False, NUM_STAGES=tile.num_stages)
+                PORTABLE=False, INTERPRET=False, NUM_STAGES=tile.num_stages)
 
 
 def dense_constexprs(tile: TileConfig, d_qk: int, causal: bool, tma: bool = True) -> dict:

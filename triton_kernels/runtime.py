@@ -80,6 +80,13 @@ def tensor_memory_copies(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def portable_loads(device: torch.device) -> bool:
+    """Byte-assembled loads instead of pointer casts, a select instead of join-and-reshape (Ascend)."""
+    from .tuning import forced_portable
+    forced = forced_portable()
+    return device.type == "npu" if forced is None else forced
+
+
 @functools.lru_cache(maxsize=None)
 def native_fp8(device: torch.device) -> bool:
     """Hardware e4m3 conversion (sm89+). Elsewhere the kernels decode fp8 bytes with bit arithmetic."""

@@ -28,10 +28,13 @@ _FORCED: dict = {}
 
 
 @contextlib.contextmanager
-def forced(tile: Optional["TileConfig"] = None, num_splits: Optional[int] = None, tma: Optional[bool] = None):
-    """Pin the tile config, split count and/or use of TMA tiles of every launch inside the block (sweeps)."""
+def forced(tile: Optional["TileConfig"] = None, num_splits: Optional[int] = None, tma: Optional[bool] = None,
+           portable: Optional[bool] = None):
+    """Pin the tile config, split count, use of TMA tiles and/or of Ascend-portable loads of every launch
+    inside the block (sweeps and tests)."""
     saved = dict(_FORCED)
-    _FORCED.update({k: v for k, v in (("tile", tile), ("num_splits", num_splits), ("tma", tma)) if v is not None})
+    _FORCED.update({k: v for k, v in (("tile", tile), ("num_splits", num_splits), ("tma", tma),
+                                      ("portable", portable)) if v is not None})
     try:
         yield
     finally:
@@ -47,11 +50,15 @@ def forced_tma() -> Optional[bool]:
     return _FORCED.get("tma")
 
 
+def forced_portable() -> Optional[bool]:
+    return _FORCED.get("portable")
+
+
 def _rows_block(rows: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(rows)))
 
 
-def _portable(kind: str, rows: int) -> Optional[TileConfig]:
+def _portable(kind: str, rows: int, quantized: bool = False) -> Optional[TileConfig]:
     """The configs that do not depend on the op: a forced one, the interpreter's and Ascend's."""
     if "tile" in _FORCED:
         return _FORCED["tile"]
@@ -59,14 +66,16 @@ def _portable(kind: str, rows: int) -> Optional[TileConfig]:
         # The interpreter costs per operation, not per element: few, large tiles.
         return TileConfig(_rows_block(rows, 64), 64, 4, 1)
     if kind == "npu":
-        # Unified buffer budget (192 KB on A2/A3): a [16, 512] fp32 accumulator plus a 32-row latent tile.
-        return TileConfig(16, 32, 1, 1)
+        # Unified buffer budget (192 KB on A2/A3): a [16, 512] fp32 accumulator plus a 32-row latent tile; the
+        # triton-ascend compile check (ascend_compile_check.py) found that dequantizing 32 rows overflows it for
+        # every quantized format, and that 8 rows fit every format and extra-cache pairing.
+        return TileConfig(16, 8 if quantized else 32, 1, 1)
     return None
 
 
 def sparse_config(kind: str, heads_per_group: int, quantized: bool) -> TileConfig:
     """Tiles of the sparse kernel for ``heads_per_group`` query heads sharing one index list."""
-    tile = _portable(kind, heads_per_group)
+    tile = _portable(kind, heads_per_group, quantized)
     if tile is not None:
         return tile
     # BLOCK_H 64 needs 8 warps: its [64, 512] fp32 accumulator alone is 256 registers a thread with 4.

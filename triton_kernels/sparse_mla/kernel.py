@@ -17,7 +17,8 @@ from ..common import NEG, attend_block, load_latent, load_latent_rope, row_offse
 def _attend_source(q, qr, idx_row_ptr, n_keys, blk_begin, blk_end, kv_ptr, stride_block, stride_row,
                    group_off, page, n_rows, scale_log2, m_run, m_use, l, acc,
                    FMT: tl.constexpr, D_QK: tl.constexpr, BLOCK_N: tl.constexpr, SKIP_SCALE: tl.constexpr,
-                   NATIVE_FP8: tl.constexpr, INTERPRET: tl.constexpr, NUM_STAGES: tl.constexpr):
+                   NATIVE_FP8: tl.constexpr, PORTABLE: tl.constexpr, INTERPRET: tl.constexpr,
+                   NUM_STAGES: tl.constexpr):
     """Attend to key blocks ``[blk_begin, blk_end)`` of one index list into one paged cache."""
     for j in tl.range(blk_begin, blk_end, num_stages=NUM_STAGES):
         offs = j * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -27,9 +28,9 @@ def _attend_source(q, qr, idx_row_ptr, n_keys, blk_begin, blk_end, kv_ptr, strid
         valid = in_list & (idx >= 0) & (idx < n_rows)
         row, srow = row_offsets(tl.where(valid, idx, 0), page, stride_block, stride_row, FMT)
         row += group_off
-        k = load_latent(kv_ptr, row, srow, valid, FMT, q.dtype, NATIVE_FP8)
+        k = load_latent(kv_ptr, row, srow, valid, FMT, q.dtype, NATIVE_FP8, PORTABLE)
         if D_QK == 576:
-            kr = load_latent_rope(kv_ptr, row, valid, FMT)
+            kr = load_latent_rope(kv_ptr, row, valid, FMT, PORTABLE)
         else:
             kr = k
         m_run, m_use, l, acc = attend_block(q, qr, k, kr, valid[None, :], scale_log2, m_run, m_use, l, acc,
@@ -48,7 +49,7 @@ def sparse_mla_kernel(
         D_QK: tl.constexpr, FMT: tl.constexpr, X_FMT: tl.constexpr, HAS_X: tl.constexpr,
         HAS_LEN: tl.constexpr, HAS_X_LEN: tl.constexpr, HAS_SINK: tl.constexpr, WRITE_MAX: tl.constexpr,
         SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SKIP_SCALE: tl.constexpr,
-        NATIVE_FP8: tl.constexpr, INTERPRET: tl.constexpr, NUM_STAGES: tl.constexpr):
+        NATIVE_FP8: tl.constexpr, PORTABLE: tl.constexpr, INTERPRET: tl.constexpr, NUM_STAGES: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     hb_total = (num_heads // heads_per_group) * hb_per_group
@@ -87,12 +88,12 @@ def sparse_mla_kernel(
     m_run, m_use, l, acc = _attend_source(
         q, qr, idx_ptr + t * si_t + g * si_g, n_main, b0, tl.minimum(b1, nb_main), kv_ptr, kv_sb, kv_sr,
         g * kv_sg, kv_page, kv_rows, scale_log2, m_run, m_use, l, acc,
-        FMT, D_QK, BLOCK_N, SKIP_SCALE, NATIVE_FP8, INTERPRET, NUM_STAGES)
+        FMT, D_QK, BLOCK_N, SKIP_SCALE, NATIVE_FP8, PORTABLE, INTERPRET, NUM_STAGES)
     if HAS_X:
         m_run, m_use, l, acc = _attend_source(
             q, qr, x_idx_ptr + t * sxi_t, n_x, tl.maximum(b0, nb_main) - nb_main, b1 - nb_main, x_kv_ptr,
             x_sb, x_sr, 0, x_page, x_rows, scale_log2, m_run, m_use, l, acc,
-            X_FMT, D_QK, BLOCK_N, SKIP_SCALE, NATIVE_FP8, INTERPRET, NUM_STAGES)
+            X_FMT, D_QK, BLOCK_N, SKIP_SCALE, NATIVE_FP8, PORTABLE, INTERPRET, NUM_STAGES)
 
     if SPLIT:
         prow = (t * num_splits + split) * num_heads + head

@@ -57,7 +57,8 @@ def _launch(q: torch.Tensor, main: _Source, extra: Optional[_Source], len_div: i
     constexprs = dict(D_QK=d_qk, FMT=_FMT_CODE[main.fmt], X_FMT=_FMT_CODE[x.fmt], HAS_X=extra is not None,
                       HAS_LEN=main.length is not None, HAS_X_LEN=extra is not None and extra.length is not None,
                       HAS_SINK=sink is not None, WRITE_MAX=max_logits is not None, SPLIT=plan.num_splits > 1,
-                      NATIVE_FP8=runtime.native_fp8(q.device), INTERPRET=runtime.interpreting())
+                      NATIVE_FP8=runtime.native_fp8(q.device), PORTABLE=runtime.portable_loads(q.device),
+                      INTERPRET=runtime.interpreting())
 
     def launch(tile):
         hb = triton.cdiv(per_group, tile.block_h)
