@@ -13,7 +13,6 @@ from typing import Callable, Optional, Tuple, Union
 
 import torch
 
-from .kvcache import detect_format
 from .metadata import FlashMLASchedMeta
 from .problems import HEAD_DIM_V, DenseDecode, SparseDecode, SparsePrefill
 from . import library_ops  # noqa: F401  (registers torch.ops.anymla.*)
@@ -29,15 +28,15 @@ class _Explained(Exception):
         self.decision = decision
 
 
-def _execute(problem, backend: BackendChoice, config: Optional[Callable[[], FlashMLASchedMeta.Config]] = None):
-    """Validate and select (cached per signature), then bind the metadata's configuration and run.
-
-    ``config`` builds the metadata configuration; it reads shapes, so it runs only after validation."""
+def _execute(problem, backend: BackendChoice):
+    """Validate and select (cached per signature), bind the scheduling metadata's configuration (decode
+    calls that pass metadata: this reads shapes, so only after validation) and run."""
     decision = select(problem, backend)
     if _EXPLAINING.get():
         raise _Explained(decision)
-    if config is not None and problem.sched is not None:
-        problem.sched.bind(config())
+    sched = getattr(problem, "sched", None)
+    if sched is not None:
+        sched.bind(_config(problem))
     return decision.impl.run(problem)
 
 
@@ -152,14 +151,13 @@ def flash_mla_with_kvcache(
                              "FP8 caches are decoded sparsely (pass indices)")
         problem = DenseDecode(q, k_cache, block_table, cache_seqlens, softmax_scale, head_dim_v, bool(causal),
                               attn_sink, bool(enable_batch_invariant), tile_scheduler_metadata)
-        return _execute(problem, backend, lambda: _config(problem, k_cache, causal, False, None, None))
+        return _execute(problem, backend)
     if causal:
         raise ValueError("causal: sparse decoding (with indices) has no causal mask; got causal=True")
     problem = SparseDecode(q, k_cache, indices, softmax_scale, head_dim_v, attn_sink, topk_length, extra_k_cache,
                            extra_indices_in_kvcache, extra_topk_length, is_fp8_kvcache, bool(enable_batch_invariant),
                            tile_scheduler_metadata)
-    out, lse = _execute(problem, backend,
-                        lambda: _config(problem, k_cache, False, True, indices, extra_k_cache, extra_indices_in_kvcache))
+    out, lse = _execute(problem, backend)
     return out, lse.transpose(1, 2)
 
 
@@ -180,15 +178,18 @@ def _compiled_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax
     return out, lse.transpose(1, 2)
 
 
-def _config(problem, k_cache, causal, sparse, indices, extra_k_cache, extra_indices=None) -> FlashMLASchedMeta.Config:
-    b, s_q, h_q, _ = problem.q.shape
+def _config(p) -> FlashMLASchedMeta.Config:
+    """The FlashMLA configuration of a validated decode problem (what a metadata object is bound to)."""
+    b, s_q, h_q, _ = p.q.shape
+    sparse = p.op == "sparse_decode"
+    extra = p.extra_k_cache if sparse else None
     return FlashMLASchedMeta.Config(
-        b=b, s_q=s_q, h_q=h_q, page_block_size=k_cache.shape[1], h_k=k_cache.shape[2], causal=bool(causal),
-        is_fp8_kvcache=sparse and detect_format(k_cache).is_quantized,
-        topk=None if indices is None else indices.shape[-1],
-        extra_page_block_size=None if extra_k_cache is None else extra_k_cache.shape[1],
-        extra_topk=None if extra_indices is None else extra_indices.shape[-1],
-        enable_batch_invariant=problem.batch_invariant)
+        b=b, s_q=s_q, h_q=h_q, page_block_size=p.k_cache.shape[1], h_k=p.k_cache.shape[2],
+        causal=not sparse and p.causal, is_fp8_kvcache=sparse and p.fmt.is_quantized,
+        topk=p.indices.shape[-1] if sparse else None,
+        extra_page_block_size=None if extra is None else extra.shape[1],
+        extra_topk=None if extra is None else p.extra_indices.shape[-1],
+        enable_batch_invariant=p.batch_invariant)
 
 
 _OPS: dict[str, Callable] = {"flash_mla_with_kvcache": flash_mla_with_kvcache,
