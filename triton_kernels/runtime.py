@@ -13,9 +13,11 @@ def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+@functools.lru_cache(maxsize=None)
 def interpreting() -> bool:
     """True when Triton's interpreter is active. It is fixed when the kernels are decorated, which is
-    when this tier's kernel modules are first imported (TRITON_INTERPRET=1 must be set before that)."""
+    when this tier's kernel modules are first imported (TRITON_INTERPRET=1 must be set before that);
+    cached because every launch asks."""
     from .common import attend_block
     return type(attend_block).__name__ == "InterpretedFunction"
 
