@@ -77,7 +77,19 @@ def report(kernel, pointer_types: dict, constexprs: dict, num_warps: int) -> dic
     regs, spills = _ptxas_usage(compiled.asm["ptx"])
     smem = compiled.metadata.shared
     return dict(regs=regs, spill_bytes=spills, smem=smem, fits=smem <= _SMEM_LIMIT and spills == 0,
-                compile_s=round(time.time() - t0, 1))
+                prefetch=_prefetch_groups(compiled.asm["ttgir"]), compile_s=round(time.time() - t0, 1))
+
+
+def _prefetch_groups(ttgir: str) -> int:
+    """Copy groups a main loop leaves in flight when it waits for its gathered rows: 0 means every iteration
+    waits for the rows it has just asked for (no overlap of loads with work), -1 that no loop copies
+    asynchronously (TMA tiles wait on barriers instead). The smallest over the kernel's loops."""
+    depths = []
+    for body in ttgir.split("scf.for")[1:]:
+        waits = re.findall(r"ttg\.async_wait[^\n]*\{num = (\d+)", body.split("scf.yield", 1)[0])
+        if waits:
+            depths.append(min(int(n) for n in waits))
+    return min(depths, default=-1)
 
 
 def sparse_constexprs(tile: TileConfig, d_qk: int, fmt: int, extra_fmt=None, write_max=True) -> dict:
@@ -124,7 +136,7 @@ def main() -> None:
             try:
                 r = report(kernel, ptrs(tile) if callable(ptrs) else ptrs, consts(tile), tile.num_warps)
                 print(f"{label:20s} {tile}  regs {r['regs']:3d} spill {r['spill_bytes']:5d} B smem {r['smem']:6d} "
-                      f"{'ok' if r['fits'] else 'NO'}  ({r['compile_s']} s)", flush=True)
+                      f"prefetch {r['prefetch']:2d} {'ok' if r['fits'] else 'NO'}  ({r['compile_s']} s)", flush=True)
             except Exception as e:
                 print(f"{label:20s} {tile}  FAILED {type(e).__name__}: {str(e).splitlines()[-1][:100]}", flush=True)
 

@@ -18,11 +18,11 @@ _FITTED: dict = {}
 
 
 def shrinking(tile: TileConfig) -> Iterator[TileConfig]:
-    """``tile``, then one stage, then halved key blocks (down to 16)."""
+    """``tile``, then halved pipeline depths (down to one stage), then halved key blocks (down to 16)."""
     yield tile
     t = tile
-    if t.num_stages > 1:
-        t = dataclasses.replace(t, num_stages=1)
+    while t.num_stages > 1:
+        t = dataclasses.replace(t, num_stages=t.num_stages // 2)
         yield t
     while t.block_n > 16:
         t = dataclasses.replace(t, block_n=t.block_n // 2)
@@ -41,3 +41,8 @@ def launch_fitting(key: Hashable, tile: TileConfig, launch: Callable[[TileConfig
         _FITTED[(key, tile)] = t
         return t
     raise error
+
+
+def shrunk_to(tile: TileConfig) -> set:
+    """The configs ``tile`` was replaced with because it did not fit (empty when it always fit)."""
+    return {t for (_, asked), t in _FITTED.items() if asked == tile and t != tile}

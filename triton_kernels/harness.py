@@ -1,9 +1,9 @@
-"""The Triton tier's own harness: tile configurations of the kernels on the canonical shapes.
+"""The Triton tier's own harness: tile configurations of the kernels on the bench's shapes.
 
-    python -m anymla.triton_kernels.harness [--case NAME ...] [--sweep] [--csv FILE]
+    python -m anymla.triton_kernels.harness [--suite NAME] [--case NAME ...] [--sweep] [--csv FILE]
 
-For each canonical case of ``python -m anymla.bench`` (same inputs, cost model, timer and same-run ceilings)
-it checks every configuration in :data:`SWEEP` against the PyTorch reference (FlashMLA's tolerances) and only
+For each case of a suite of ``python -m anymla.bench`` (default: canonical; same inputs, cost model, timer and
+same-run ceilings) it checks every configuration in :data:`SWEEP` against the PyTorch reference (FlashMLA's tolerances) and only
 then times it. Without ``--sweep`` it times the shipped configuration. The user-facing comparison across
 backends is ``python -m anymla.bench``; this harness tunes the kernels themselves (see each NOTES.md).
 """
@@ -22,21 +22,28 @@ from anymla.bench.suites import build_inputs, suite_cases
 from anymla.bench.timing import Timer
 from anymla.testing import compare_outputs
 
-from . import tuning
+from . import fit, tuning
 from .tuning import TileConfig
 
 # Configurations tried by --sweep, per case: (tile, forced split count or None, forced TMA use or None).
 # Earlier sweeps and their outcomes: ../bench/results/h200/sweeps/ and each kernel's NOTES.md.
-_PREFILL = [(TileConfig(64, bn, 8, st, False), None, None) for bn, st in ((64, 3), (64, 2), (32, 3))]
-_DECODE = [(TileConfig(64, bn, 8, st, False), None, None) for bn, st in ((64, 1), (64, 2), (32, 2))]
+# Gathers prefetch only from 5 stages on (compile_report's "prefetch" column), hence the BN 32/16 deep configs.
+_PREFILL = [(TileConfig(64, bn, 8, st, False), None, None) for bn, st in ((64, 3), (32, 5), (32, 7), (16, 6))]
+_DECODE = [(TileConfig(64, bn, 8, st, False), None, None) for bn, st in ((64, 1), (32, 5), (32, 7))]
 SWEEP = {
     "prefill-v32-h128": _PREFILL, "prefill-v4-h64": _PREFILL,
-    "sdecode-v32-b128-sq2-h128": _DECODE, "sdecode-v32-b64-sq1-h64": _DECODE, "sdecode-v41+fp4-b128-h64": _DECODE,
-    "ddecode-b128-h16-sk8192": [(TileConfig(16, bn, w, st), sp, tma) for bn, w, st, sp in
-                                ((32, 4, 4, None), (32, 4, 4, 4), (64, 8, 2, 2)) for tma in (True, False)],
-    "ddecode-b128-sq2-h128-sk8192": [(TileConfig(64, 64, 8, 2, sk), None, None) for sk in (False, True)],
-    "ddecode-b1-h128-sk32768": [(TileConfig(64, 64, 8, 2, False), sp, None) for sp in (None, 32, 64)],
+    "sdecode-v32-b128-sq2-h128": _DECODE,
+    "sdecode-v41+fp4-b128-h64": [(TileConfig(64, 64, 8, 1, False), sp, None) for sp in (None, 2)],
+    "sdecode-v32-b64-sq1-h64": [(TileConfig(64, bn, 8, st, False), None, None) for bn, st in ((64, 1), (64, 2), (32, 3))],
+    "ddecode-b128-h16-sk8192": [(TileConfig(16, bn, 4, st, True), sp, True) for bn, st, sp in
+                                ((32, 6, None), (32, 8, None), (32, 6, 3), (64, 4, None))],
+    "ddecode-b128-sq2-h128-sk8192": [(TileConfig(64, bn, 8, st, False), None, None) for bn, st in ((64, 2), (32, 4))],
+    "ddecode-b1-h128-sk32768": [(TileConfig(64, 64, 8, 2, False), None, None)],
 }
+# Tensor-parallel head counts (16 or 8 heads a GPU): one 16-row tile, memory-bound.
+_FEW_HEADS = [(TileConfig(16, bn, 4, st, False), None, None) for bn, st in ((64, 2), (32, 4), (32, 6), (16, 8))]
+SWEEP.update({name: _FEW_HEADS for name in ("v32-decode-h16", "v32-decode-h8", "v4-decode-h16", "v4-decode-h8",
+                                             "v32-prefill-h16")})
 
 
 def _describe(tile, splits, tma) -> str:
@@ -47,13 +54,14 @@ def _describe(tile, splits, tma) -> str:
     return text + ("" if splits is None else f" sp{splits}") + ("" if tma is None else (" tma" if tma else " gather"))
 
 
-def run(case_names, sweep: bool, reps: int, csv_path) -> list[dict]:
+def run(suite: str, case_names, sweep: bool, reps: int, csv_path) -> list[dict]:
     device = torch.device("cuda")
     timer = Timer(device, reps)
     ceilings = measure_ceilings(device, timer)
     print(f"ceilings: {ceilings.describe()}", flush=True)
     rows = []
-    for case in suite_cases("canonical"):
+    sink = _CsvSink(csv_path, ceilings)
+    for case in suite_cases(suite):
         if case_names and case.name not in case_names:
             continue
         fn, args = build_inputs(case, device)
@@ -70,26 +78,41 @@ def run(case_names, sweep: bool, reps: int, csv_path) -> list[dict]:
                     compare_outputs(case.op, fn(**call_args, backend="triton"), expected)
                     t = timer.measure(lambda: fn(**call_args, backend="triton"))
                 r = model.rates(cost, t.median_us, ceilings)
+                if tile is not None and fit.shrunk_to(tile):  # timed, but not as the config asked for
+                    row["config"] += " (ran as " + ", ".join(_describe(s, None, None) for s in fit.shrunk_to(tile)) + ")"
                 row.update(status="ok", us=t.median_us, tflops=r.tflops, gbps=r.gbps, x_matmul=r.ratio_to_matmul,
                            x_copy=r.ratio_to_copy)
             except Exception as e:  # a failing config is reported, never timed
                 row.update(status=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
             rows.append(row)
+            sink.write(row)
             print(_fmt(row), flush=True)
         del args, expected
         torch.cuda.empty_cache()
-    if csv_path:
-        with open(csv_path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=["device", "copy_gbps", "matmul_tflops", "case", "config", "status", "us",
-                                              "tflops", "gbps", "x_matmul", "x_copy"])
-            w.writeheader()
-            for r in rows:
-                w.writerow(dict(device=torch.cuda.get_device_name(), copy_gbps=round(ceilings.copy_gbps),
-                                matmul_tflops=round(ceilings.matmul_tflops), **r))
     print()
     for r in rows:
         print(_fmt(r))
     return rows
+
+
+class _CsvSink:
+    """Rows written as they come, so a run stopped by a time limit keeps what it measured."""
+
+    FIELDS = ["device", "copy_gbps", "matmul_tflops", "case", "config", "status", "us", "tflops", "gbps", "x_matmul",
+              "x_copy"]
+
+    def __init__(self, path, ceilings):
+        self.file = open(path, "w", newline="") if path else None
+        self.common = dict(device=torch.cuda.get_device_name(), copy_gbps=round(ceilings.copy_gbps),
+                           matmul_tflops=round(ceilings.matmul_tflops))
+        if self.file:
+            self.writer = csv.DictWriter(self.file, fieldnames=self.FIELDS)
+            self.writer.writeheader()
+
+    def write(self, row: dict) -> None:
+        if self.file:
+            self.writer.writerow({**self.common, **row})
+            self.file.flush()
 
 
 def _fmt(r: dict) -> str:
@@ -101,14 +124,15 @@ def _fmt(r: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--case", action="append", help="canonical case name(s) (default: all)")
+    ap.add_argument("--suite", default="canonical", help="a suite of python -m anymla.bench (default: canonical)")
+    ap.add_argument("--case", action="append", help="case name(s) of the suite (default: all)")
     ap.add_argument("--sweep", action="store_true", help="try every configuration in SWEEP")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--csv")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("the harness times CUDA kernels; no CUDA device here (CPU correctness: the test suite)")
-    run(a.case, a.sweep, a.reps, a.csv)
+    run(a.suite, a.case, a.sweep, a.reps, a.csv)
 
 
 if __name__ == "__main__":

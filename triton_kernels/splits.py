@@ -30,16 +30,18 @@ class SplitPlan:
     partial_lse: Optional[torch.Tensor] = None  # [tokens, splits, heads] fp32, log2 domain
 
 
-def choose_num_splits(programs: int, max_key_blocks: int, cores: int, batch_invariant: bool) -> int:
-    """Enough programs for about two per core, at least two key blocks per split, at most MAX_SPLITS.
+def choose_num_splits(programs: int, max_key_blocks: int, cores: int, per_core: int, batch_invariant: bool) -> int:
+    """Enough programs to fill every core once (``per_core`` programs a core run at once), at least two key
+    blocks per split, at most MAX_SPLITS. A second round of programs would only queue behind the first.
 
     Batch-invariant mode never splits: a request's sums then never depend on the rest of the batch.
     """
     if forced_splits() is not None:
         return forced_splits()
-    if batch_invariant or programs >= cores:
+    slots = per_core * cores
+    if batch_invariant or programs >= slots:
         return 1
-    by_cores = (2 * cores) // max(programs, 1)
+    by_cores = slots // max(programs, 1)
     by_work = max(1, max_key_blocks // _MIN_BLOCKS_PER_SPLIT)
     return max(1, min(MAX_SPLITS, by_cores, by_work))
 

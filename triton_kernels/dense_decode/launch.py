@@ -24,7 +24,7 @@ def _plan(p, rows_per_kv_head: int) -> SplitPlan:
     programs = b * h_kv * triton.cdiv(rows_per_kv_head, tile.block_h)
     capacity = p.block_table.shape[1] * p.k_cache.shape[1]
     splits = choose_num_splits(programs, triton.cdiv(capacity, tile.block_n), runtime.num_cores(p.device),
-                               p.batch_invariant)
+                               tile.programs_per_core, p.batch_invariant)
     return make_plan(tile, splits, b * s_q, h_q, p.device)
 
 

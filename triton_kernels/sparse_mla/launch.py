@@ -101,7 +101,7 @@ def _decode_plan(p, tokens: int, h_q: int) -> SplitPlan:
     programs = tokens * triton.cdiv(h_q, tile.block_h)
     keys = p.indices.shape[-1] + (0 if p.extra_indices is None else p.extra_indices.shape[-1])
     splits = choose_num_splits(programs, triton.cdiv(keys, tile.block_n), runtime.num_cores(p.device),
-                               p.batch_invariant)
+                               tile.programs_per_core, p.batch_invariant)
     return make_plan(tile, splits, tokens, h_q, p.device)
 
 
