@@ -28,7 +28,7 @@ from .tuning import TileConfig
 # Configurations tried by --sweep, per case: (tile, forced split count or None, forced TMA use or None).
 # Earlier sweeps and their outcomes: ../bench/results/h200/sweeps/ and each kernel's NOTES.md.
 # Gathers prefetch only from 5 stages on (compile_report's "prefetch" column), hence the BN 32/16 deep configs.
-_PREFILL = [(TileConfig(64, bn, 8, st, False), None, None) for bn, st in ((64, 3), (32, 5), (32, 7), (16, 6))]
+_PREFILL = [(TileConfig(64, 64, 8, st, False), None, None) for st in (3, 2, 1)]
 _DECODE = [(TileConfig(64, bn, 8, st, False), None, None) for bn, st in ((64, 1), (32, 5), (32, 7))]
 SWEEP = {
     "prefill-v32-h128": _PREFILL, "prefill-v4-h64": _PREFILL,

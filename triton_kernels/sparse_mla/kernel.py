@@ -20,12 +20,24 @@ def _attend_source(q, qr, idx_row_ptr, n_keys, blk_begin, blk_end, kv_ptr, strid
                    NATIVE_FP8: tl.constexpr, PORTABLE: tl.constexpr, INTERPRET: tl.constexpr,
                    NUM_STAGES: tl.constexpr):
     """Attend to key blocks ``[blk_begin, blk_end)`` of one index list into one paged cache."""
+    if NUM_STAGES == 1:
+        offs = blk_begin * BLOCK_N + tl.arange(0, BLOCK_N)
+        idx_next = tl.load(idx_row_ptr + offs, mask=offs < n_keys, other=-1)
     for j in tl.range(blk_begin, blk_end, num_stages=NUM_STAGES):
-        offs = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_list = offs < n_keys
-        idx = tl.load(idx_row_ptr + offs, mask=in_list, other=-1)
+        if NUM_STAGES == 1:
+            # Unpipelined, a block would wait for its indices and then for its rows: two memory round trips.
+            # Its indices are asked for one block ahead instead. (With stages, the pipeliner does this.)
+            idx = idx_next
+            offs = (j + 1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        else:
+            offs = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        idx_load = tl.load(idx_row_ptr + offs, mask=offs < n_keys, other=-1)  # keys past the list read as -1
+        if NUM_STAGES == 1:
+            idx_next = idx_load
+        else:
+            idx = idx_load
         # FlashMLA's decode only skips -1; any index outside the cache is skipped too (never read).
-        valid = in_list & (idx >= 0) & (idx < n_rows)
+        valid = (idx >= 0) & (idx < n_rows)
         row, srow = row_offsets(tl.where(valid, idx, 0), page, stride_block, stride_row, FMT)
         row += group_off
         k = load_latent(kv_ptr, row, srow, valid, FMT, q.dtype, NATIVE_FP8, PORTABLE)
