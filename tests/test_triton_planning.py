@@ -32,3 +32,12 @@ def test_programs_per_core_follow_the_register_file():
 def test_shrinking_halves_stages_before_key_blocks():
     got = [(t.block_n, t.num_stages) for t in shrinking(TileConfig(16, 32, 4, 6))]
     assert got == [(32, 6), (32, 3), (32, 1), (16, 1)]
+
+
+def test_compile_report_reads_prefetch_depth_per_loop():
+    from anymla.triton_kernels.compile_report import _prefetch_groups
+    loop = "scf.for %i {{\n  %t = ttg.async_wait %a {{num = {} : i32}}\n  scf.yield %x\n}}\n"
+    drain = "%d = ttg.async_wait {num = 0 : i32}\n"  # after the loop: not a prefetch depth
+    assert _prefetch_groups("module {\n" + loop.format(5) + drain + loop.format(2) + drain) == 2
+    assert _prefetch_groups("module {\n" + loop.format(0) + drain) == 0
+    assert _prefetch_groups("module { scf.for %i { scf.yield } }") == -1

@@ -3,9 +3,10 @@
     python -m anymla.triton_kernels.harness [--suite NAME] [--case NAME ...] [--sweep] [--csv FILE]
 
 For each case of a suite of ``python -m anymla.bench`` (default: canonical; same inputs, cost model, timer and
-same-run ceilings) it checks every configuration in :data:`SWEEP` against the PyTorch reference (FlashMLA's tolerances) and only
-then times it. Without ``--sweep`` it times the shipped configuration. The user-facing comparison across
-backends is ``python -m anymla.bench``; this harness tunes the kernels themselves (see each NOTES.md).
+same-run ceilings) it checks every configuration in :data:`SWEEP` against the PyTorch reference (FlashMLA's
+tolerances) and only then times it. Without ``--sweep`` it times the shipped configuration. The user-facing
+comparison across backends is ``python -m anymla.bench``; this harness tunes the kernels themselves (see each
+NOTES.md).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ SWEEP = {
     "prefill-v32-h128": _PREFILL, "prefill-v4-h64": _PREFILL,
     "sdecode-v32-b128-sq2-h128": _DECODE,
     "sdecode-v41+fp4-b128-h64": [(TileConfig(64, 64, 8, 1, False), sp, None) for sp in (None, 2)],
-    "sdecode-v32-b64-sq1-h64": [(TileConfig(64, bn, 8, st, False), None, None) for bn, st in ((64, 1), (64, 2), (32, 3))],
+    "sdecode-v32-b64-sq1-h64": [(TileConfig(64, bn, 8, st, False), None, None)
+                                for bn, st in ((64, 1), (64, 2), (32, 3))],
     "ddecode-b128-h16-sk8192": [(TileConfig(16, bn, 4, st, True), sp, True) for bn, st, sp in
                                 ((32, 6, None), (32, 8, None), (32, 6, 3), (64, 4, None))],
     "ddecode-b128-sq2-h128-sk8192": [(TileConfig(64, bn, 8, st, False), None, None) for bn, st in ((64, 2), (32, 4))],
@@ -78,8 +80,9 @@ def run(suite: str, case_names, sweep: bool, reps: int, csv_path) -> list[dict]:
                     compare_outputs(case.op, fn(**call_args, backend="triton"), expected)
                     t = timer.measure(lambda: fn(**call_args, backend="triton"))
                 r = model.rates(cost, t.median_us, ceilings)
-                if tile is not None and fit.shrunk_to(tile):  # timed, but not as the config asked for
-                    row["config"] += " (ran as " + ", ".join(_describe(s, None, None) for s in fit.shrunk_to(tile)) + ")"
+                shrunk = fit.shrunk_to(tile) if tile is not None else set()
+                if shrunk:  # timed, but not as the config asked for
+                    row["config"] += " (ran as " + ", ".join(_describe(t, None, None) for t in shrunk) + ")"
                 row.update(status="ok", us=t.median_us, tflops=r.tflops, gbps=r.gbps, x_matmul=r.ratio_to_matmul,
                            x_copy=r.ratio_to_copy)
             except Exception as e:  # a failing config is reported, never timed
