@@ -198,6 +198,25 @@ def test_both_lazy_rescale_variants(backend, skip_scale, tol_scale, device):
         compare_outputs("dense_decode", got, ref, scale=tol_scale)
 
 
+@pytest.mark.parametrize("stages", (1, 3), ids=("indices-ahead", "pipelined"))
+def test_both_index_fetch_paths(backend, stages, tol_scale, device):
+    """Unpipelined sparse loops (one stage) ask for a block's indices one block ahead, pipelined ones let the
+    compiler do it: both over topk tails, topk_length, leading -1 padding and a key range crossing into the
+    extra cache (the interpreter and NPUs only ever ship one stage)."""
+    if backend != "triton":
+        pytest.skip("tile configurations belong to the Triton tier")
+    from anymla.triton_kernels import tuning
+    with tuning.forced(tuning.TileConfig(16, 32, 4, stages, False), num_splits=2):
+        args = prefill_inputs(3, 16, 576, 200, 100, shuffle_invalid=True, topk_length=True, device=device, seed=31)
+        compare_outputs("sparse_prefill", anymla.flash_mla_sparse_fwd(**args, backend=backend),
+                        anymla.flash_mla_sparse_fwd(**args, backend="reference"), scale=tol_scale)
+        extra = dict(fmt=F.V41_FP4, page=5, s_k=150, topk=40, topk_length=True)
+        args = sparse_decode_inputs(2, 2, 16, 300, 70, fmt=F.V41_FP8, extra=extra, topk_length=True, device=device,
+                                    seed=32)
+        got, ref = _decode_pair(args, backend)
+        compare_outputs("sparse_decode", got, ref, scale=tol_scale)
+
+
 @pytest.mark.parametrize("fmt", (F.V32_FP8, F.MODEL1_FP8, F.V41_FP8), ids=lambda f: f.name)
 def test_ascend_portable_loads(backend, fmt, tol_scale, device):
     """The loads Ascend compiles (byte-assembled fp32/bf16 fields, FP4 nibbles by select) against the
