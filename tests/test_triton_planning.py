@@ -1,5 +1,9 @@
 """Host-side planning of the Triton tier: split counts and the fall-back ladder for configs that do not fit."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from anymla.triton_kernels.fit import shrinking
@@ -29,9 +33,19 @@ def test_programs_per_core_follow_the_register_file():
     assert TileConfig(16, 32, 4, 6).programs_per_core == 2
 
 
-def test_shrinking_halves_stages_before_key_blocks():
-    got = [(t.block_n, t.num_stages) for t in shrinking(TileConfig(16, 32, 4, 6))]
-    assert got == [(32, 6), (32, 3), (32, 1), (16, 1)]
+def test_shrinking_halves_stages_then_key_blocks_then_head_blocks():
+    got = [(t.block_h, t.block_n, t.num_stages, t.num_warps) for t in shrinking(TileConfig(64, 32, 8, 6))]
+    assert got == [(64, 32, 6, 8), (64, 32, 3, 8), (64, 32, 1, 8), (64, 16, 1, 8), (32, 16, 1, 4), (16, 16, 1, 4)]
+
+
+@pytest.mark.parametrize("arch", (90, 80, 86))
+def test_shipped_tiles_fit_each_gpu_generation(arch):
+    """Every config the tuning tables ship for Hopper, A100-class and 99 KB (sm_86/89) GPUs compiles for that
+    architecture and fits its shared memory as shipped (offline: Triton's own ptxas, no GPU)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-m", "anymla.triton_kernels.compile_report", "--shipped", "--arch",
+                          str(arch)], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
 
 
 def test_compile_report_reads_prefetch_depth_per_loop():

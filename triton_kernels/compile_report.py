@@ -1,6 +1,6 @@
-"""Offline resource report: compile the kernels for Hopper (sm_90a) on any machine, no GPU needed.
+"""Offline resource report: compile the kernels for an NVIDIA architecture on any machine, no GPU needed.
 
-    python -m anymla.triton_kernels.compile_report [LABEL_SUBSTRING]
+    python -m anymla.triton_kernels.compile_report [--arch 90|89|86|80] [--shipped] [LABEL_SUBSTRING]
 
 Triton's wheel ships ptxas, so registers, spills and shared memory of every tile configuration can be read
 before spending device time: a config that spills or needs more than the 227 KB of shared memory a Hopper
@@ -25,7 +25,10 @@ from .sparse_mla.kernel import sparse_mla_kernel
 from .tuning import TileConfig
 
 _FLOAT_ARGS = {"scale_log2"}
-_SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90
+# Bytes of shared memory one block may use (opt-in maximum): H100/H200, A100, RTX 30xx / A10, L40S / RTX 40xx.
+SMEM_LIMIT = {90: 232448, 80: 166912, 86: 101376, 89: 101376}
+# The tuning-table key (runtime.device_kind) of a GPU of each architecture.
+KIND = {90: "cuda_sm90", 80: "cuda", 86: "cuda_small_smem", 89: "cuda_small_smem"}
 
 
 def _signature(kernel, pointer_types: dict, constexprs: dict) -> dict:
@@ -55,13 +58,13 @@ def _divisibility(kernel, constexprs: dict) -> dict:
 _STRIDE = re.compile(r"s[a-z]{1,2}_[a-z]|kv_s[bgr]|x_s[br]|sxi_t|sbt_b")
 
 
-def _ptxas_usage(ptx: str) -> tuple[int, int]:
+def _ptxas_usage(ptx: str, arch: int = 90) -> tuple[int, int]:
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        res = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
+        res = subprocess.run([ptxas, f"-arch=sm_{arch}{'a' if arch == 90 else ''}", "-v", path, "-o", os.path.join(d, "k.cubin")],
                              capture_output=True, text=True)
     text = res.stdout + res.stderr
     regs = re.search(r"Used (\d+) registers", text)
@@ -69,14 +72,14 @@ def _ptxas_usage(ptx: str) -> tuple[int, int]:
     return int(regs.group(1)) if regs else -1, int(spills.group(1)) if spills else -1
 
 
-def report(kernel, pointer_types: dict, constexprs: dict, num_warps: int) -> dict:
+def report(kernel, pointer_types: dict, constexprs: dict, num_warps: int, arch: int = 90) -> dict:
     t0 = time.time()
     src = ASTSource(kernel, _signature(kernel, pointer_types, constexprs), constexprs, _divisibility(kernel, constexprs))
     compiled = triton.compile(src,
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
-    regs, spills = _ptxas_usage(compiled.asm["ptx"])
+                              target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps))
+    regs, spills = _ptxas_usage(compiled.asm["ptx"], arch)
     smem = compiled.metadata.shared
-    return dict(regs=regs, spill_bytes=spills, smem=smem, fits=smem <= _SMEM_LIMIT and spills == 0,
+    return dict(regs=regs, spill_bytes=spills, smem=smem, fits=smem <= SMEM_LIMIT[arch],
                 prefetch=_prefetch_groups(compiled.asm["ttgir"]), compile_s=round(time.time() - t0, 1))
 
 
@@ -92,16 +95,19 @@ def _prefetch_groups(ttgir: str) -> int:
     return min(depths, default=-1)
 
 
-def sparse_constexprs(tile: TileConfig, d_qk: int, fmt: int, extra_fmt=None, write_max=True) -> dict:
+def sparse_constexprs(tile: TileConfig, d_qk: int, fmt: int, extra_fmt=None, write_max=True, arch: int = 90) -> dict:
     return dict(D_QK=d_qk, FMT=fmt, X_FMT=fmt if extra_fmt is None else extra_fmt, HAS_X=extra_fmt is not None,
                 HAS_LEN=False, HAS_X_LEN=False, HAS_SINK=False, WRITE_MAX=write_max, SPLIT=False,
-                BLOCK_H=tile.block_h, BLOCK_N=tile.block_n, SKIP_SCALE=tile.skip_scale, NATIVE_FP8=True,
+                BLOCK_H=tile.block_h, BLOCK_N=tile.block_n, SKIP_SCALE=tile.skip_scale, NATIVE_FP8=arch >= 89,
                 PORTABLE=False, INTERPRET=False, NUM_STAGES=tile.num_stages)
 
 
-def dense_constexprs(tile: TileConfig, d_qk: int, causal: bool, tma: bool = True) -> dict:
-    return dict(D_QK=d_qk, CAUSAL=causal, HAS_SINK=False, SPLIT=False, USE_TMA=tma, BLOCK_H=tile.block_h,
-                BLOCK_N=tile.block_n, SKIP_SCALE=tile.skip_scale, INTERPRET=False, NUM_STAGES=tile.num_stages)
+def dense_constexprs(tile: TileConfig, d_qk: int, causal: bool, arch: int = 90) -> dict:
+    c = dict(D_QK=d_qk, CAUSAL=causal, HAS_SINK=False, SPLIT=False, USE_TMA=arch >= 90, BLOCK_H=tile.block_h,
+             BLOCK_N=tile.block_n, SKIP_SCALE=tile.skip_scale, INTERPRET=False, NUM_STAGES=tile.num_stages)
+    if arch < 90:  # no tensor-memory copies: the launcher passes no descriptors
+        c.update(k_desc=None, r_desc=None)
+    return c
 
 
 def dense_pointers(tile: TileConfig) -> dict:
@@ -115,30 +121,65 @@ def _sparse_ptrs(fmt: int) -> dict:
             "x_idx_ptr": "*i32", "len_ptr": "*i32", "x_len_ptr": "*i32"}
 
 
-def main() -> None:
-    import sys
+def _jobs(shipped: bool, arch: int) -> list:
+    """(label, kernel, pointer types, constexprs of a tile, tiles): the sweep's configs, or the ones shipped
+    for ``arch`` at 128 (64) and 16 heads."""
     from .harness import SWEEP
-    only = sys.argv[1] if len(sys.argv) > 1 else ""
-    jobs = [("sparse_prefill d576", sparse_mla_kernel, _sparse_ptrs(0), lambda t: sparse_constexprs(t, 576, 0),
-             SWEEP["prefill-v32-h128"]),
-            ("sparse_decode v32", sparse_mla_kernel, _sparse_ptrs(1), lambda t: sparse_constexprs(t, 576, 1, None, False),
-             SWEEP["sdecode-v32-b128-sq2-h128"]),
-            ("sparse_decode v41", sparse_mla_kernel, _sparse_ptrs(3), lambda t: sparse_constexprs(t, 512, 3, 4, False),
-             SWEEP["sdecode-v41+fp4-b128-h64"]),
-            ("dense_decode", dense_decode_kernel, dense_pointers, lambda t: dense_constexprs(t, 576, True),
-             SWEEP["ddecode-b128-h16-sk8192"] + SWEEP["ddecode-b128-sq2-h128-sk8192"] + SWEEP["ddecode-b1-h128-sk32768"])]
-    seen = set()
-    for label, kernel, ptrs, consts, configs in jobs:
-        for tile, *_ in configs:
-            if only not in label or (label, tile) in seen:
+    from .tuning import dense_config, sparse_config
+    kind = KIND[arch]
+
+    def tiles(sweep_cases, shipped_tiles):
+        return shipped_tiles if shipped else [t for case in sweep_cases for t, *_ in SWEEP[case]]
+    return [
+        ("sparse_prefill d576", sparse_mla_kernel, _sparse_ptrs(0), lambda t: sparse_constexprs(t, 576, 0, arch=arch),
+         tiles(["prefill-v32-h128"], [sparse_config(kind, h, False) for h in (128, 16)])),
+        ("sparse_decode v32", sparse_mla_kernel, _sparse_ptrs(1),
+         lambda t: sparse_constexprs(t, 576, 1, None, False, arch),
+         tiles(["sdecode-v32-b128-sq2-h128"], [sparse_config(kind, h, True) for h in (128, 16)])),
+        ("sparse_decode v41+fp4", sparse_mla_kernel, _sparse_ptrs(3),
+         lambda t: sparse_constexprs(t, 512, 3, 4, False, arch),
+         tiles(["sdecode-v41+fp4-b128-h64"], [sparse_config(kind, h, True) for h in (64, 16)])),
+        ("dense_decode", dense_decode_kernel, dense_pointers, lambda t: dense_constexprs(t, 576, True, arch),
+         tiles(["ddecode-b128-h16-sk8192", "ddecode-b128-sq2-h128-sk8192", "ddecode-b1-h128-sk32768"],
+               [dense_config(kind, rows) for rows in (256, 16)])),
+    ]
+
+
+def _line(label: str, tile: TileConfig, r: dict) -> str:
+    return (f"{label:22s} {tile}  regs {r['regs']:3d} spill {r['spill_bytes']:5d} B smem {r['smem']:6d} "
+            f"prefetch {r['prefetch']:2d} {'fits' if r['fits'] else 'TOO BIG'}  ({r['compile_s']} s)")
+
+
+def main() -> None:
+    import argparse
+    from .fit import shrinking
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90, choices=sorted(SMEM_LIMIT))
+    ap.add_argument("--shipped", action="store_true",
+                    help="the configs the tuning tables ship for --arch, each followed down the fit ladder until "
+                         "it fits; exit status 1 if a shipped config does not fit as shipped")
+    ap.add_argument("only", nargs="?", default="", help="only kernels whose label contains this")
+    a = ap.parse_args()
+    print(f"sm_{a.arch} ({KIND[a.arch]}): a block may use {SMEM_LIMIT[a.arch]} bytes of shared memory", flush=True)
+    seen, misfits = set(), 0
+    for label, kernel, ptrs, consts, configs in _jobs(a.shipped, a.arch):
+        for tile in configs:
+            if a.only not in label or (label, tile) in seen:
                 continue
             seen.add((label, tile))
-            try:
-                r = report(kernel, ptrs(tile) if callable(ptrs) else ptrs, consts(tile), tile.num_warps)
-                print(f"{label:20s} {tile}  regs {r['regs']:3d} spill {r['spill_bytes']:5d} B smem {r['smem']:6d} "
-                      f"prefetch {r['prefetch']:2d} {'ok' if r['fits'] else 'NO'}  ({r['compile_s']} s)", flush=True)
-            except Exception as e:
-                print(f"{label:20s} {tile}  FAILED {type(e).__name__}: {str(e).splitlines()[-1][:100]}", flush=True)
+            for t in shrinking(tile) if a.shipped else [tile]:
+                try:
+                    r = report(kernel, ptrs(t) if callable(ptrs) else ptrs, consts(t), t.num_warps, a.arch)
+                except Exception as e:
+                    print(f"{label:22s} {t}  FAILED {type(e).__name__}: {str(e).splitlines()[-1][:100]}", flush=True)
+                    misfits += 1
+                    break
+                print(_line(label, t, r), flush=True)
+                if r["fits"]:  # what the launch-time ladder would settle on
+                    break
+                misfits += t == tile
+    if a.shipped and misfits:
+        raise SystemExit(f"{misfits} shipped config(s) fail to compile or do not fit sm_{a.arch} as shipped")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ _FITTED: dict = {}
 
 
 def shrinking(tile: TileConfig) -> Iterator[TileConfig]:
-    """``tile``, then halved pipeline depths (down to one stage), then halved key blocks (down to 16)."""
+    """``tile``, then halved pipeline depths (down to one stage), then halved key blocks (down to 16), then
+    halved head blocks on 4 warps (down to 16 rows: the one tile that fits every GPU the tier supports)."""
     yield tile
     t = tile
     while t.num_stages > 1:
@@ -26,6 +27,9 @@ def shrinking(tile: TileConfig) -> Iterator[TileConfig]:
         yield t
     while t.block_n > 16:
         t = dataclasses.replace(t, block_n=t.block_n // 2)
+        yield t
+    while t.block_h > 16:
+        t = dataclasses.replace(t, block_h=t.block_h // 2, num_warps=4)
         yield t
 
 

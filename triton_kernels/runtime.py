@@ -47,15 +47,29 @@ def unavailable_reasons(device: torch.device) -> list[str]:
     return [f"the Triton tier targets cuda, npu and (interpreted) cpu devices, not {device.type}"]
 
 
+# Below this much shared memory a block (sm_86, sm_89, sm_120: 99 KB) the 64-head tiles fit at no pipeline depth.
+_SMALL_SHARED_MEMORY = 128 * 1024
+
+
 @functools.lru_cache(maxsize=None)
 def device_kind(device: torch.device) -> str:
-    """``interpret``, ``cuda_sm90`` (Hopper), ``cuda`` (other NVIDIA) or ``npu``: keys of the tuning tables."""
+    """``interpret``, ``cuda_sm90`` (Hopper), ``cuda_small_smem`` (NVIDIA with < 128 KB of shared memory a
+    block), ``cuda`` (other NVIDIA) or ``npu``: keys of the tuning tables."""
     if device.type == "cpu":
         return "interpret"
     if device.type == "npu":
         return "npu"
     major, _ = torch.cuda.get_device_capability(device)
-    return "cuda_sm90" if major == 9 else "cuda"
+    if major == 9:
+        return "cuda_sm90"
+    return "cuda_small_smem" if max_shared_memory(device) < _SMALL_SHARED_MEMORY else "cuda"
+
+
+def max_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one block may use on a CUDA device, as Triton checks it at launch."""
+    import triton
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
 
 
 # The interpreter pretends to be a 4-core device, so small test shapes exercise split-KV and the combine.

@@ -7,6 +7,7 @@ order of the floating-point sums, so they must be a function of one request only
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -64,6 +65,11 @@ def _rows_block(rows: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(rows)))
 
 
+# GPUs whose blocks get 99 KB of shared memory (sm_86, sm_89, sm_120): the H200's few-head tile, which
+# compile_report (--arch 86/89 --shipped) finds within it for every kernel; not measured on such a GPU.
+_SMALL_SMEM_TILE = TileConfig(16, 32, 4, 6)
+
+
 def _portable(kind: str, rows: int, quantized: bool = False) -> Optional[TileConfig]:
     """The configs that do not depend on the op: a forced one, the interpreter's and Ascend's."""
     if "tile" in _FORCED:
@@ -84,6 +90,8 @@ def sparse_config(kind: str, heads_per_group: int, quantized: bool) -> TileConfi
     tile = _portable(kind, heads_per_group, quantized)
     if tile is not None:
         return tile
+    if kind == "cuda_small_smem":
+        return dataclasses.replace(_SMALL_SMEM_TILE, skip_scale=False)
     # BLOCK_H 64 needs 8 warps: its [64, 512] fp32 accumulator alone is 256 registers a thread with 4.
     # H200 sweep (NOTES.md, 2026-11-29): per-row lazy rescale beats the block-wide branch; quantized caches
     # do best without prefetch (the dequantized tile already fills shared memory), bf16 with 3 stages.
@@ -101,6 +109,8 @@ def dense_config(kind: str, rows_per_kv_head: int) -> TileConfig:
     tile = _portable(kind, rows_per_kv_head)
     if tile is not None:
         return tile
+    if kind == "cuda_small_smem":
+        return _SMALL_SMEM_TILE
     # H200 sweeps (NOTES.md, 2026-11-29): 64 keys a block with 2 TMA stages for the compute-bound regime;
     # with few rows (memory-bound) 32 keys and 6 stages (0.97x copy; 4 stages gave 0.72x).
     bh = _rows_block(rows_per_kv_head, 64)
