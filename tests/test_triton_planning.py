@@ -38,10 +38,10 @@ def test_shrinking_halves_stages_then_key_blocks_then_head_blocks():
     assert got == [(64, 32, 6, 8), (64, 32, 3, 8), (64, 32, 1, 8), (64, 16, 1, 8), (32, 16, 1, 4), (16, 16, 1, 4)]
 
 
-@pytest.mark.parametrize("arch", (90, 80, 86))
+@pytest.mark.parametrize("arch", (90, 100, 80, 86))
 def test_shipped_tiles_fit_each_gpu_generation(arch):
-    """Every config the tuning tables ship for Hopper, A100-class and 99 KB (sm_86/89) GPUs compiles for that
-    architecture and fits its shared memory as shipped (offline: Triton's own ptxas, no GPU)."""
+    """Every config the tuning tables ship for Hopper, Blackwell (sm_100), A100-class and 99 KB (sm_86/89) GPUs
+    compiles for that architecture and fits its shared memory as shipped (offline: Triton's ptxas, no GPU)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-m", "anymla.triton_kernels.compile_report", "--shipped", "--arch",
                           str(arch)], capture_output=True, text=True, env=env, timeout=600)

@@ -1,6 +1,6 @@
 """Offline resource report: compile the kernels for an NVIDIA architecture on any machine, no GPU needed.
 
-    python -m anymla.triton_kernels.compile_report [--arch 90|89|86|80] [--shipped] [LABEL_SUBSTRING]
+    python -m anymla.triton_kernels.compile_report [--arch 90|100|89|86|80] [--shipped] [LABEL_SUBSTRING]
 
 Triton's wheel ships ptxas, so registers, spills and shared memory of every tile configuration can be read
 before spending device time: a config that spills or needs more than the 227 KB of shared memory a Hopper
@@ -25,10 +25,10 @@ from .sparse_mla.kernel import sparse_mla_kernel
 from .tuning import TileConfig
 
 _FLOAT_ARGS = {"scale_log2"}
-# Bytes of shared memory one block may use (opt-in maximum): H100/H200, A100, RTX 30xx / A10, L40S / RTX 40xx.
-SMEM_LIMIT = {90: 232448, 80: 166912, 86: 101376, 89: 101376}
+# Bytes of shared memory one block may use (opt-in maximum): H100/H200, B200, A100, RTX 30xx / A10, L40S / RTX 40xx.
+SMEM_LIMIT = {90: 232448, 100: 232448, 80: 166912, 86: 101376, 89: 101376}
 # The tuning-table key (runtime.device_kind) of a GPU of each architecture.
-KIND = {90: "cuda_sm90", 80: "cuda", 86: "cuda_small_smem", 89: "cuda_small_smem"}
+KIND = {90: "cuda_sm90", 100: "cuda_sm100", 80: "cuda", 86: "cuda_small_smem", 89: "cuda_small_smem"}
 
 
 def _signature(kernel, pointer_types: dict, constexprs: dict) -> dict:
@@ -59,12 +59,14 @@ _STRIDE = re.compile(r"s[a-z]{1,2}_[a-z]|kv_s[bgr]|x_s[br]|sxi_t|sbt_b")
 
 
 def _ptxas_usage(ptx: str, arch: int = 90) -> tuple[int, int]:
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    # Triton's wheel ships a separate, newer ptxas for Blackwell.
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                         "ptxas-blackwell" if arch >= 100 else "ptxas")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        res = subprocess.run([ptxas, f"-arch=sm_{arch}{'a' if arch == 90 else ''}", "-v", path, "-o", os.path.join(d, "k.cubin")],
+        res = subprocess.run([ptxas, f"-arch=sm_{arch}{'a' if arch >= 90 else ''}", "-v", path, "-o", os.path.join(d, "k.cubin")],
                              capture_output=True, text=True)
     text = res.stdout + res.stderr
     regs = re.search(r"Used (\d+) registers", text)

@@ -53,8 +53,8 @@ _SMALL_SHARED_MEMORY = 128 * 1024
 
 @functools.lru_cache(maxsize=None)
 def device_kind(device: torch.device) -> str:
-    """``interpret``, ``cuda_sm90`` (Hopper), ``cuda_small_smem`` (NVIDIA with < 128 KB of shared memory a
-    block), ``cuda`` (other NVIDIA) or ``npu``: keys of the tuning tables."""
+    """``interpret``, ``cuda_sm90`` (Hopper), ``cuda_sm100`` (Blackwell datacenter), ``cuda_small_smem`` (NVIDIA
+    with < 128 KB of shared memory a block), ``cuda`` (other NVIDIA) or ``npu``: keys of the tuning tables."""
     if device.type == "cpu":
         return "interpret"
     if device.type == "npu":
@@ -62,6 +62,8 @@ def device_kind(device: torch.device) -> str:
     major, _ = torch.cuda.get_device_capability(device)
     if major == 9:
         return "cuda_sm90"
+    if major == 10:
+        return "cuda_sm100"
     return "cuda_small_smem" if max_shared_memory(device) < _SMALL_SHARED_MEMORY else "cuda"
 
 
