@@ -38,13 +38,13 @@ def test_shrinking_halves_stages_then_key_blocks_then_head_blocks():
     assert got == [(64, 32, 6, 8), (64, 32, 3, 8), (64, 32, 1, 8), (64, 16, 1, 8), (32, 16, 1, 4), (16, 16, 1, 4)]
 
 
-@pytest.mark.parametrize("arch", (90, 100, 80, 86))
+@pytest.mark.parametrize("arch", ("90", "100", "80", "86", "gfx942"))
 def test_shipped_tiles_fit_each_gpu_generation(arch):
-    """Every config the tuning tables ship for Hopper, Blackwell (sm_100), A100-class and 99 KB (sm_86/89) GPUs
-    compiles for that architecture and fits its shared memory as shipped (offline: Triton's ptxas, no GPU)."""
+    """Every config the tuning tables ship for Hopper, Blackwell (sm_100), A100-class, 99 KB (sm_86/89) and AMD
+    MI300 GPUs compiles for that architecture and fits its shared memory as shipped (offline, no GPU)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-m", "anymla.triton_kernels.compile_report", "--shipped", "--arch",
-                          str(arch)], capture_output=True, text=True, env=env, timeout=600)
+                          arch], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
 
 
@@ -55,3 +55,18 @@ def test_compile_report_reads_prefetch_depth_per_loop():
     assert _prefetch_groups("module {\n" + loop.format(5) + drain + loop.format(2) + drain) == 2
     assert _prefetch_groups("module {\n" + loop.format(0) + drain) == 0
     assert _prefetch_groups("module { scf.for %i { scf.yield } }") == -1
+
+
+def test_amd_gpus_get_their_own_tiles_and_no_nvidia_only_paths(monkeypatch):
+    """Under torch's ROCm build AMD GPUs are ``cuda`` devices whose capability numbers mean something else
+    (an MI300X says 9.4): they must not be taken for Hopper (TMA tiles, 227 KB configs, OCP fp8 hardware)."""
+    import torch
+    from anymla.triton_kernels import runtime
+    from anymla.triton_kernels.tuning import dense_config, sparse_config
+    monkeypatch.setattr(runtime, "rocm", lambda: True)
+    gpu = torch.device("cuda", 0)
+    assert runtime.device_kind.__wrapped__(gpu) == "rocm"
+    assert not runtime.tensor_memory_copies.__wrapped__(gpu)
+    assert not runtime.native_fp8.__wrapped__(gpu)
+    assert sparse_config("rocm", 128, True) == TileConfig(64, 16, 4, 1)
+    assert dense_config("rocm", 16) == TileConfig(16, 32, 4, 2)

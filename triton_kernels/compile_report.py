@@ -1,10 +1,11 @@
-"""Offline resource report: compile the kernels for an NVIDIA architecture on any machine, no GPU needed.
+"""Offline resource report: compile the kernels for a GPU architecture on any machine, no GPU needed.
 
-    python -m anymla.triton_kernels.compile_report [--arch 90|100|89|86|80] [--shipped] [LABEL_SUBSTRING]
+    python -m anymla.triton_kernels.compile_report [--arch 90|100|80|86|89|gfx942|gfx90a] [--shipped] [LABEL]
 
-Triton's wheel ships ptxas, so registers, spills and shared memory of every tile configuration can be read
-before spending device time: a config that spills or needs more than the 227 KB of shared memory a Hopper
-block may use is not worth timing. Numbers come from the local Triton, which may differ from the device's.
+Triton's wheel ships ptxas and the AMD linker, so registers, spills and shared memory of every tile
+configuration can be read before spending device time: a config that spills or needs more than the shared
+memory a block may use (227 KB on Hopper) is not worth timing. Numbers come from the local Triton, which may
+differ from the device's.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import re
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
+from typing import Union
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -25,10 +28,28 @@ from .sparse_mla.kernel import sparse_mla_kernel
 from .tuning import TileConfig
 
 _FLOAT_ARGS = {"scale_log2"}
-# Bytes of shared memory one block may use (opt-in maximum): H100/H200, B200, A100, RTX 30xx / A10, L40S / RTX 40xx.
-SMEM_LIMIT = {90: 232448, 100: 232448, 80: 166912, 86: 101376, 89: 101376}
-# The tuning-table key (runtime.device_kind) of a GPU of each architecture.
-KIND = {90: "cuda_sm90", 100: "cuda_sm100", 80: "cuda", 86: "cuda_small_smem", 89: "cuda_small_smem"}
+
+
+@dataclass(frozen=True)
+class Arch:
+    backend: str  # "cuda" or "hip"
+    name: Union[int, str]  # compute capability as an int (90) or an AMD gfx name
+    warp: int
+    smem: int  # bytes of shared memory (LDS) one block may use, opt-in maximum
+    kind: str  # runtime.device_kind of such a GPU: the key of its tuning tables
+    native_fp8: bool  # what runtime.native_fp8 says there
+    tma: bool  # what runtime.tensor_memory_copies says there
+
+
+ARCHS = {
+    "90": Arch("cuda", 90, 32, 232448, "cuda_sm90", True, True),  # H100, H200
+    "100": Arch("cuda", 100, 32, 232448, "cuda_sm100", True, True),  # B200
+    "80": Arch("cuda", 80, 32, 166912, "cuda", False, False),  # A100
+    "86": Arch("cuda", 86, 32, 101376, "cuda_small_smem", False, False),  # RTX 30xx, A10
+    "89": Arch("cuda", 89, 32, 101376, "cuda_small_smem", True, False),  # RTX 40xx, L40S
+    "gfx942": Arch("hip", "gfx942", 64, 65536, "rocm", False, False),  # MI300X
+    "gfx90a": Arch("hip", "gfx90a", 64, 65536, "rocm", False, False),  # MI250
+}
 
 
 def _signature(kernel, pointer_types: dict, constexprs: dict) -> dict:
@@ -58,15 +79,22 @@ def _divisibility(kernel, constexprs: dict) -> dict:
 _STRIDE = re.compile(r"s[a-z]{1,2}_[a-z]|kv_s[bgr]|x_s[br]|sxi_t|sbt_b")
 
 
-def _ptxas_usage(ptx: str, arch: int = 90) -> tuple[int, int]:
+def _usage(compiled, arch: Arch) -> tuple[int, int]:
+    """(registers a thread, bytes spilled) from ptxas (NVIDIA) or the AMD assembly's metadata."""
+    if arch.backend == "hip":
+        asm = compiled.asm["amdgcn"]
+        vgprs = re.search(r"\.vgpr_count:\s*(\d+)", asm)
+        spills = re.search(r"\.vgpr_spill_count:\s*(\d+)", asm)
+        return int(vgprs.group(1)) if vgprs else -1, 4 * int(spills.group(1)) if spills else -1
     # Triton's wheel ships a separate, newer ptxas for Blackwell.
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                         "ptxas-blackwell" if arch >= 100 else "ptxas")
+                         "ptxas-blackwell" if arch.name >= 100 else "ptxas")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.ptx")
         with open(path, "w") as f:
-            f.write(ptx)
-        res = subprocess.run([ptxas, f"-arch=sm_{arch}{'a' if arch >= 90 else ''}", "-v", path, "-o", os.path.join(d, "k.cubin")],
+            f.write(compiled.asm["ptx"])
+        gpu = f"sm_{arch.name}{'a' if arch.name >= 90 else ''}"
+        res = subprocess.run([ptxas, f"-arch={gpu}", "-v", path, "-o", os.path.join(d, "k.cubin")],
                              capture_output=True, text=True)
     text = res.stdout + res.stderr
     regs = re.search(r"Used (\d+) registers", text)
@@ -74,14 +102,14 @@ def _ptxas_usage(ptx: str, arch: int = 90) -> tuple[int, int]:
     return int(regs.group(1)) if regs else -1, int(spills.group(1)) if spills else -1
 
 
-def report(kernel, pointer_types: dict, constexprs: dict, num_warps: int, arch: int = 90) -> dict:
+def report(kernel, pointer_types: dict, constexprs: dict, num_warps: int, arch: Arch = ARCHS["90"]) -> dict:
     t0 = time.time()
     src = ASTSource(kernel, _signature(kernel, pointer_types, constexprs), constexprs, _divisibility(kernel, constexprs))
-    compiled = triton.compile(src,
-                              target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps))
-    regs, spills = _ptxas_usage(compiled.asm["ptx"], arch)
+    compiled = triton.compile(src, target=GPUTarget(arch.backend, arch.name, arch.warp),
+                              options=dict(num_warps=num_warps))
+    regs, spills = _usage(compiled, arch)
     smem = compiled.metadata.shared
-    return dict(regs=regs, spill_bytes=spills, smem=smem, fits=smem <= SMEM_LIMIT[arch],
+    return dict(regs=regs, spill_bytes=spills, smem=smem, fits=smem <= arch.smem,
                 prefetch=_prefetch_groups(compiled.asm["ttgir"]), compile_s=round(time.time() - t0, 1))
 
 
@@ -97,17 +125,18 @@ def _prefetch_groups(ttgir: str) -> int:
     return min(depths, default=-1)
 
 
-def sparse_constexprs(tile: TileConfig, d_qk: int, fmt: int, extra_fmt=None, write_max=True, arch: int = 90) -> dict:
+def sparse_constexprs(tile: TileConfig, d_qk: int, fmt: int, extra_fmt=None, write_max=True,
+                      arch: Arch = ARCHS["90"]) -> dict:
     return dict(D_QK=d_qk, FMT=fmt, X_FMT=fmt if extra_fmt is None else extra_fmt, HAS_X=extra_fmt is not None,
                 HAS_LEN=False, HAS_X_LEN=False, HAS_SINK=False, WRITE_MAX=write_max, SPLIT=False,
-                BLOCK_H=tile.block_h, BLOCK_N=tile.block_n, SKIP_SCALE=tile.skip_scale, NATIVE_FP8=arch >= 89,
+                BLOCK_H=tile.block_h, BLOCK_N=tile.block_n, SKIP_SCALE=tile.skip_scale, NATIVE_FP8=arch.native_fp8,
                 PORTABLE=False, INTERPRET=False, NUM_STAGES=tile.num_stages)
 
 
-def dense_constexprs(tile: TileConfig, d_qk: int, causal: bool, arch: int = 90) -> dict:
-    c = dict(D_QK=d_qk, CAUSAL=causal, HAS_SINK=False, SPLIT=False, USE_TMA=arch >= 90, BLOCK_H=tile.block_h,
+def dense_constexprs(tile: TileConfig, d_qk: int, causal: bool, arch: Arch = ARCHS["90"]) -> dict:
+    c = dict(D_QK=d_qk, CAUSAL=causal, HAS_SINK=False, SPLIT=False, USE_TMA=arch.tma, BLOCK_H=tile.block_h,
              BLOCK_N=tile.block_n, SKIP_SCALE=tile.skip_scale, INTERPRET=False, NUM_STAGES=tile.num_stages)
-    if arch < 90:  # no tensor-memory copies: the launcher passes no descriptors
+    if not arch.tma:  # no tensor-memory copies: the launcher passes no descriptors
         c.update(k_desc=None, r_desc=None)
     return c
 
@@ -123,12 +152,12 @@ def _sparse_ptrs(fmt: int) -> dict:
             "x_idx_ptr": "*i32", "len_ptr": "*i32", "x_len_ptr": "*i32"}
 
 
-def _jobs(shipped: bool, arch: int) -> list:
+def _jobs(shipped: bool, arch: Arch) -> list:
     """(label, kernel, pointer types, constexprs of a tile, tiles): the sweep's configs, or the ones shipped
     for ``arch`` at 128 (64) and 16 heads."""
     from .harness import SWEEP
     from .tuning import dense_config, sparse_config
-    kind = KIND[arch]
+    kind = arch.kind
 
     def tiles(sweep_cases, shipped_tiles):
         return shipped_tiles if shipped else [t for case in sweep_cases for t, *_ in SWEEP[case]]
@@ -156,22 +185,23 @@ def main() -> None:
     import argparse
     from .fit import shrinking
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", type=int, default=90, choices=sorted(SMEM_LIMIT))
+    ap.add_argument("--arch", default="90", choices=list(ARCHS))
     ap.add_argument("--shipped", action="store_true",
                     help="the configs the tuning tables ship for --arch, each followed down the fit ladder until "
                          "it fits; exit status 1 if a shipped config does not fit as shipped")
     ap.add_argument("only", nargs="?", default="", help="only kernels whose label contains this")
     a = ap.parse_args()
-    print(f"sm_{a.arch} ({KIND[a.arch]}): a block may use {SMEM_LIMIT[a.arch]} bytes of shared memory", flush=True)
+    arch = ARCHS[a.arch]
+    print(f"{a.arch} ({arch.kind}): a block may use {arch.smem} bytes of shared memory", flush=True)
     seen, misfits = set(), 0
-    for label, kernel, ptrs, consts, configs in _jobs(a.shipped, a.arch):
+    for label, kernel, ptrs, consts, configs in _jobs(a.shipped, arch):
         for tile in configs:
             if a.only not in label or (label, tile) in seen:
                 continue
             seen.add((label, tile))
             for t in shrinking(tile) if a.shipped else [tile]:
                 try:
-                    r = report(kernel, ptrs(t) if callable(ptrs) else ptrs, consts(t), t.num_warps, a.arch)
+                    r = report(kernel, ptrs(t) if callable(ptrs) else ptrs, consts(t), t.num_warps, arch)
                 except Exception as e:
                     print(f"{label:22s} {t}  FAILED {type(e).__name__}: {str(e).splitlines()[-1][:100]}", flush=True)
                     misfits += 1
@@ -181,7 +211,7 @@ def main() -> None:
                     break
                 misfits += t == tile
     if a.shipped and misfits:
-        raise SystemExit(f"{misfits} shipped config(s) fail to compile or do not fit sm_{a.arch} as shipped")
+        raise SystemExit(f"{misfits} shipped config(s) fail to compile or do not fit {a.arch} as shipped")
 
 
 if __name__ == "__main__":

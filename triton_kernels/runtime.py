@@ -37,7 +37,7 @@ def unavailable_reasons(device: torch.device) -> list[str]:
         if not torch.cuda.is_available():
             return ["torch sees no CUDA device"]
         major, minor = torch.cuda.get_device_capability(device)
-        if major < 8:
+        if major < 8 and not rocm():
             return [f"bf16 tensor-core dots need compute capability 8.0 or newer, this GPU is {major}.{minor}"]
         return []
     if device.type == "npu":
@@ -54,17 +54,27 @@ _SMALL_SHARED_MEMORY = 128 * 1024
 @functools.lru_cache(maxsize=None)
 def device_kind(device: torch.device) -> str:
     """``interpret``, ``cuda_sm90`` (Hopper), ``cuda_sm100`` (Blackwell datacenter), ``cuda_small_smem`` (NVIDIA
-    with < 128 KB of shared memory a block), ``cuda`` (other NVIDIA) or ``npu``: keys of the tuning tables."""
+    with < 128 KB of shared memory a block), ``cuda`` (other NVIDIA), ``rocm`` (AMD through torch's ROCm build,
+    which calls its GPUs ``cuda`` too) or ``npu``: keys of the tuning tables."""
     if device.type == "cpu":
         return "interpret"
     if device.type == "npu":
         return "npu"
+    if rocm():
+        return "rocm"
     major, _ = torch.cuda.get_device_capability(device)
     if major == 9:
         return "cuda_sm90"
     if major == 10:
         return "cuda_sm100"
     return "cuda_small_smem" if max_shared_memory(device) < _SMALL_SHARED_MEMORY else "cuda"
+
+
+@functools.lru_cache(maxsize=None)
+def rocm() -> bool:
+    """torch built for ROCm: AMD GPUs appear as ``cuda`` devices, and their capability numbers are not
+    NVIDIA's (an MI300X reports 9.4)."""
+    return torch.version.hip is not None
 
 
 def max_shared_memory(device: torch.device) -> int:
@@ -95,7 +105,7 @@ def tensor_memory_copies(device: torch.device) -> bool:
     """TMA tile copies: Hopper and newer; the interpreter emulates them (so CI runs that code path too)."""
     if device.type == "cpu":
         return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    return device.type == "cuda" and not rocm() and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def portable_loads(device: torch.device) -> bool:
@@ -107,5 +117,6 @@ def portable_loads(device: torch.device) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def native_fp8(device: torch.device) -> bool:
-    """Hardware e4m3 conversion (sm89+). Elsewhere the kernels decode fp8 bytes with bit arithmetic."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    """Hardware e4m3 conversion (sm89+). Elsewhere, AMD included (MI300's hardware fp8 is the other e4m3
+    variant, "fnuz"), the kernels decode fp8 bytes with exact bit arithmetic."""
+    return device.type == "cuda" and not rocm() and torch.cuda.get_device_capability(device) >= (8, 9)

@@ -76,12 +76,16 @@ _SM100_TILE = TileConfig(64, 32, 8, 3, False)
 
 
 def _portable(kind: str, rows: int, quantized: bool = False) -> Optional[TileConfig]:
-    """The configs that do not depend on the op: a forced one, the interpreter's and Ascend's."""
+    """The configs that do not depend on the op: a forced one, the interpreter's, AMD's and Ascend's."""
     if "tile" in _FORCED:
         return _FORCED["tile"]
     if kind == "interpret":
         # The interpreter costs per operation, not per element: few, large tiles.
         return TileConfig(_rows_block(rows, 64), 64, 4, 1)
+    if kind == "rocm":
+        # 64 KB of LDS a block (MI300X, MI250): the largest head blocks that compile there without spills
+        # (compile_report --arch gfx942); never run on an AMD GPU.
+        return TileConfig(64, 16, 4, 1) if _rows_block(rows, 64) == 64 else TileConfig(16, 32, 4, 2)
     if kind == "npu":
         # Unified buffer budget (192 KB on A2/A3): a [16, 512] fp32 accumulator plus a 32-row latent tile; the
         # triton-ascend compile check (ascend_compile_check.py) found that dequantizing 32 rows overflows it for
