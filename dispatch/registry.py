@@ -37,6 +37,11 @@ class Backend:
         """Why this backend cannot run this problem's shapes, dtypes or flags; empty if it can."""
         return []
 
+    def caveats(self, device: torch.device) -> list[str]:
+        """What a user should know before trusting this backend's results or speed on ``device``: how far it
+        has been verified there. Empty when nothing needs saying."""
+        return []
+
     def not_supported_reasons(self, problem) -> list[str]:
         if problem.op not in self.ops:
             return [f"does not implement {problem.op} (implements: {', '.join(sorted(self.ops))})"]

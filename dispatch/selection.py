@@ -50,9 +50,11 @@ class Decision:
     shape: str
     rejected: tuple = ()  # ((backend name, (reason, ...)), ...)
     impl: Backend = field(default=None, repr=False, compare=False)
+    caveats: tuple = ()  # how far the chosen backend has been verified on this device
 
     def __str__(self) -> str:
         lines = [f"{self.op} on {self.device}: {self.backend} (chosen by {self.source})", f"  shape: {self.shape}"]
+        lines += [f"  caveat: {c}" for c in self.caveats]
         lines += [f"  not {name}: {'; '.join(reasons)}" for name, reasons in self.rejected]
         return "\n".join(lines)
 
@@ -178,7 +180,9 @@ def _decide(problem, forced: Optional[tuple], source: str) -> Decision:
 
 def _decision(problem, chosen: str, source: str, reasons: dict) -> Decision:
     rejected = tuple((n, tuple(r)) for n, r in reasons.items() if n != chosen)
-    return Decision(problem.op, chosen, source, str(problem.device), problem.shape_key(), rejected, get_backend(chosen))
+    impl = get_backend(chosen)
+    return Decision(problem.op, chosen, source, str(problem.device), problem.shape_key(), rejected, impl,
+                    tuple(impl.caveats(problem.device)))
 
 
 def select(problem, backend: BackendChoice = None) -> Decision:

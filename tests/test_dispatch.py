@@ -133,6 +133,17 @@ def test_explain_does_not_run_the_backend(probes):
     assert (d.backend, d.source) == ("probe_a", "keyword") and probes["probe_a"].calls == 0
 
 
+def test_explain_says_how_far_the_chosen_backend_was_verified_on_the_device(fresh_dispatch, monkeypatch):
+    d = explain_prefill(prefill_args(), backend="triton")
+    assert d.caveats and "interpreter" in d.caveats[0] and "caveat: Triton's interpreter" in str(d)
+    assert explain_prefill(prefill_args(), backend="reference").caveats == ()
+    from anymla.triton_kernels import runtime
+    monkeypatch.setattr(runtime, "device_kind", lambda device: "rocm")
+    assert "never run" in runtime.verification(torch.device("cuda"))[0]
+    monkeypatch.setattr(runtime, "device_kind", lambda device: "cuda_sm90")
+    assert runtime.verification(torch.device("cuda")) == []
+
+
 # ---------------------------------------------------------------- precedence
 
 def tuning_file(tmp_path, decision, backend):

@@ -120,3 +120,27 @@ def native_fp8(device: torch.device) -> bool:
     """Hardware e4m3 conversion (sm89+). Elsewhere, AMD included (MI300's hardware fp8 is the other e4m3
     variant, "fnuz"), the kernels decode fp8 bytes with exact bit arithmetic."""
     return device.type == "cuda" and not rocm() and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+# How far the tier has been checked per device kind (README, "What has been run where"); Hopper needs no caveat.
+_VERIFICATION = {
+    "interpret": "Triton's interpreter: the reference grids pass in CI, but it is slow (meant for tests)",
+    "cuda": "tiles compile-checked for this GPU generation (sm_80) but never run on one: run the test suite "
+            "here before trusting results",
+    "cuda_sm100": "tiles compile-checked for Blackwell (sm_100) but never run on one: run the test suite here "
+                  "before trusting results",
+    "cuda_small_smem": "tiles compile-checked for 99 KB-shared-memory GPUs (sm_86/89) but never run on one: run "
+                       "the test suite here before trusting results",
+    "rocm": "AMD GPUs: tiles compile-checked for gfx942/gfx90a but never run on one: run the test suite here "
+            "before trusting results",
+    "npu": "Ascend: every kernel variant passes triton-ascend's compile check but none has run on an NPU: run "
+           "the test suite here before trusting results",
+}
+
+
+def verification(device: torch.device) -> list[str]:
+    """The caveat ``explain`` shows for the Triton tier on ``device``; empty where it was run and measured."""
+    if device.type not in ("cuda", "npu", "cpu"):
+        return []
+    note = _VERIFICATION.get(device_kind(device))
+    return [note] if note else []

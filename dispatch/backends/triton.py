@@ -16,6 +16,10 @@ class TritonBackend(Backend):
         from anymla.triton_kernels import unavailable_reasons
         return super().unavailable_reasons(device) or unavailable_reasons(device)
 
+    def caveats(self, device: torch.device) -> list[str]:
+        from anymla.triton_kernels.runtime import verification
+        return verification(device)
+
     def sparse_prefill(self, problem):
         from anymla.triton_kernels.sparse_mla.launch import sparse_prefill
         return sparse_prefill(problem)
