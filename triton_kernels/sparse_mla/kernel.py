@@ -14,6 +14,13 @@ from ..common import NEG, attend_block, load_latent, load_latent_rope, row_offse
 
 
 @triton.jit
+def _block_indices(idx_row_ptr, j, n_keys, BLOCK_N: tl.constexpr):
+    """The index list's entries of key block ``j``; entries past the list read as -1 (invalid)."""
+    offs = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tl.load(idx_row_ptr + offs, mask=offs < n_keys, other=-1)
+
+
+@triton.jit
 def _attend_source(q, qr, idx_row_ptr, n_keys, blk_begin, blk_end, kv_ptr, stride_block, stride_row,
                    group_off, page, n_rows, scale_log2, m_run, m_use, l, acc,
                    FMT: tl.constexpr, D_QK: tl.constexpr, BLOCK_N: tl.constexpr, SKIP_SCALE: tl.constexpr,
@@ -21,21 +28,15 @@ def _attend_source(q, qr, idx_row_ptr, n_keys, blk_begin, blk_end, kv_ptr, strid
                    NUM_STAGES: tl.constexpr):
     """Attend to key blocks ``[blk_begin, blk_end)`` of one index list into one paged cache."""
     if NUM_STAGES == 1:
-        offs = blk_begin * BLOCK_N + tl.arange(0, BLOCK_N)
-        idx_next = tl.load(idx_row_ptr + offs, mask=offs < n_keys, other=-1)
+        idx_next = _block_indices(idx_row_ptr, blk_begin, n_keys, BLOCK_N)
     for j in tl.range(blk_begin, blk_end, num_stages=NUM_STAGES):
         if NUM_STAGES == 1:
             # Unpipelined, a block would wait for its indices and then for its rows: two memory round trips.
             # Its indices are asked for one block ahead instead. (With stages, the pipeliner does this.)
             idx = idx_next
-            offs = (j + 1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            idx_next = _block_indices(idx_row_ptr, j + 1, n_keys, BLOCK_N)
         else:
-            offs = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        idx_load = tl.load(idx_row_ptr + offs, mask=offs < n_keys, other=-1)  # keys past the list read as -1
-        if NUM_STAGES == 1:
-            idx_next = idx_load
-        else:
-            idx = idx_load
+            idx = _block_indices(idx_row_ptr, j, n_keys, BLOCK_N)
         # FlashMLA's decode only skips -1; any index outside the cache is skipped too (never read).
         valid = (idx >= 0) & (idx < n_rows)
         row, srow = row_offsets(tl.where(valid, idx, 0), page, stride_block, stride_row, FMT)
