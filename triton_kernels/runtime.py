@@ -123,18 +123,14 @@ def native_fp8(device: torch.device) -> bool:
 
 
 # How far the tier has been checked per device kind (README, "What has been run where"); Hopper needs no caveat.
+_UNRUN = "compile-checked but never run on one: run the test suite here before trusting results"
 _VERIFICATION = {
     "interpret": "Triton's interpreter: the reference grids pass in CI, but it is slow (meant for tests)",
-    "cuda": "tiles compile-checked for this GPU generation (sm_80) but never run on one: run the test suite "
-            "here before trusting results",
-    "cuda_sm100": "tiles compile-checked for Blackwell (sm_100) but never run on one: run the test suite here "
-                  "before trusting results",
-    "cuda_small_smem": "tiles compile-checked for 99 KB-shared-memory GPUs (sm_86/89) but never run on one: run "
-                       "the test suite here before trusting results",
-    "rocm": "AMD GPUs: tiles compile-checked for gfx942/gfx90a but never run on one: run the test suite here "
-            "before trusting results",
-    "npu": "Ascend: every kernel variant passes triton-ascend's compile check but none has run on an NPU: run "
-           "the test suite here before trusting results",
+    "cuda": f"A100-class GPUs (sm_80): tiles {_UNRUN}",
+    "cuda_sm100": f"Blackwell (sm_100): tiles {_UNRUN}",
+    "cuda_small_smem": f"99 KB-shared-memory GPUs (sm_86/89): tiles {_UNRUN}",
+    "rocm": f"AMD GPUs (gfx942/gfx90a): tiles {_UNRUN}",
+    "npu": f"Ascend A2/A3 NPUs: every kernel variant {_UNRUN}",
 }
 
 
