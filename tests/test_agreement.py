@@ -179,6 +179,36 @@ def test_dense_decode_corner(backend, device):
     compare_outputs("dense_decode", got, ref)
 
 
+def _warp_specialized_cases():
+    base = dict(b=2, s_q=1, s_k=140, h_q=64, h_kv=1)
+    grid = [dict(base, s_q=s_q, h_q=h_q, s_k=s_k, causal=True, varlen=True)
+            for s_q, h_q in ((1, 64), (1, 128), (2, 128), (3, 33), (4, 16)) for s_k in (1, 63, 64, 65, 4096)]
+    return grid + [
+        dict(base, b=6, s_k=4096, varlen=True, zero_len_frac=0.5, sink=True),
+        dict(base, s_q=2, d_qk=512, causal=True),
+        dict(base, s_q=2, dtype=torch.float16, causal=True, sink=True),
+        dict(base, page=128, s_k=1000, varlen=True),
+        dict(base, page=256, s_k=1000, causal=True, s_q=2),
+    ]
+
+
+@pytest.mark.parametrize("splits", (1, 3, 16), ids=lambda n: f"splits{n}")
+@pytest.mark.parametrize("case", _warp_specialized_cases(), ids=_prefill_id)
+def test_warp_specialized_dense_decode(backend, case, splits, tol_scale, device):
+    """The Gluon kernel for Hopper (dense_decode/hopper.py), forced on every call, every split count."""
+    if backend != "triton":
+        pytest.skip("a kernel of the Triton tier")
+    from anymla.triton_kernels import runtime, tuning
+    if device.type != "cuda" or runtime.device_kind(device) != "cuda_sm90" or not runtime.gluon_hopper():
+        pytest.skip("the warp-specialized kernel runs on sm_90 GPUs with Triton's Gluon (3.6+) only")
+    c = dict(case)
+    args = dense_decode_inputs(c.pop("b"), c.pop("s_q"), c.pop("h_q"), c.pop("h_kv"), c.pop("s_k"), device=device,
+                               seed=zlib.crc32(_prefill_id(case).encode()), **c)
+    with tuning.forced(num_splits=splits, warp_specialized=True):
+        got, ref = _decode_pair(args, backend)
+    compare_outputs("dense_decode", got, ref, scale=tol_scale)
+
+
 @pytest.mark.parametrize("skip_scale", (True, False), ids=("block-branch", "row-select"))
 def test_both_lazy_rescale_variants(backend, skip_scale, tol_scale, device):
     """The Triton tier ships the lazy rescale as a block-wide branch (interpreter, Ascend) and as a per-row

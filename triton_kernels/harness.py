@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -26,34 +27,49 @@ from anymla.testing import compare_outputs
 from . import fit, tuning
 from .tuning import TileConfig
 
-# Configurations tried by --sweep, per case: (tile, forced split count or None, forced TMA use or None).
-# Earlier sweeps and their outcomes: ../bench/results/h200/sweeps/ and each kernel's NOTES.md.
-# Gathers prefetch only from 5 stages on (compile_report's "prefetch" column), hence the BN 32/16 deep configs.
-_PREFILL = [(TileConfig(64, 64, 8, st, False), None, None) for st in (3, 2, 1)]
-_DECODE = [(TileConfig(64, bn, 8, st, False), None, None) for bn, st in ((64, 1), (32, 5), (32, 7))]
+
+
+class Config(NamedTuple):
+    """One configuration of a sweep; None leaves that choice to the launcher."""
+    tile: Optional[TileConfig] = None
+    splits: Optional[int] = None
+    tma: Optional[bool] = None
+    warp_specialized: Optional[bool] = None
+
+
+# Configurations tried by --sweep, per case. Earlier sweeps and their outcomes: ../bench/results/h200/sweeps/
+# and each kernel's NOTES.md. Gathers prefetch only from 5 stages on (compile_report's "prefetch" column),
+# hence the BN 32/16 deep configs.
+_PREFILL = [Config(TileConfig(64, 64, 8, st, False)) for st in (3, 2, 1)]
+_DECODE = [Config(TileConfig(64, bn, 8, st, False)) for bn, st in ((64, 1), (32, 5), (32, 7))]
+# The dense 64-row cases: the warp-specialized Hopper kernel against the portable one.
+_DENSE_64_ROWS = [Config(warp_specialized=True), Config(warp_specialized=False)]
 SWEEP = {
     "prefill-v32-h128": _PREFILL, "prefill-v4-h64": _PREFILL,
     "sdecode-v32-b128-sq2-h128": _DECODE,
-    "sdecode-v41+fp4-b128-h64": [(TileConfig(64, 64, 8, 1, False), sp, None) for sp in (None, 2)],
-    "sdecode-v32-b64-sq1-h64": [(TileConfig(64, bn, 8, st, False), None, None)
-                                for bn, st in ((64, 1), (64, 2), (32, 3))],
-    "ddecode-b128-h16-sk8192": [(TileConfig(16, bn, 4, st, True), sp, True) for bn, st, sp in
+    "sdecode-v41+fp4-b128-h64": [Config(TileConfig(64, 64, 8, 1, False), sp) for sp in (None, 2)],
+    "sdecode-v32-b64-sq1-h64": [Config(TileConfig(64, bn, 8, st, False)) for bn, st in ((64, 1), (64, 2), (32, 3))],
+    "ddecode-b128-h16-sk8192": [Config(TileConfig(16, bn, 4, st, True), sp, True) for bn, st, sp in
                                 ((32, 6, None), (32, 8, None), (32, 6, 3), (64, 4, None))],
-    "ddecode-b128-sq2-h128-sk8192": [(TileConfig(64, bn, 8, st, False), None, None) for bn, st in ((64, 2), (32, 4))],
-    "ddecode-b1-h128-sk32768": [(TileConfig(64, 64, 8, 2, False), None, None)],
+    "ddecode-b128-sq2-h128-sk8192": _DENSE_64_ROWS,
+    "ddecode-b1-h128-sk32768": _DENSE_64_ROWS,
 }
 # Tensor-parallel head counts (16 or 8 heads a GPU): one 16-row tile, memory-bound.
-_FEW_HEADS = [(TileConfig(16, bn, 4, st, False), None, None) for bn, st in ((64, 2), (32, 4), (32, 6), (16, 8))]
+_FEW_HEADS = [Config(TileConfig(16, bn, 4, st, False)) for bn, st in ((64, 2), (32, 4), (32, 6), (16, 8))]
 SWEEP.update({name: _FEW_HEADS for name in ("v32-decode-h16", "v32-decode-h8", "v4-decode-h16", "v4-decode-h8",
                                              "v32-prefill-h16")})
 
 
-def _describe(tile, splits, tma) -> str:
+def _describe(config: Config) -> str:
+    tile, splits, tma, ws = config
     if tile is None:
-        return "shipped"
-    text = f"bh{tile.block_h} bn{tile.block_n} w{tile.num_warps} s{tile.num_stages} " + \
-        ("branch" if tile.skip_scale else "select")
-    return text + ("" if splits is None else f" sp{splits}") + ("" if tma is None else (" tma" if tma else " gather"))
+        text = "shipped"
+    else:
+        text = f"bh{tile.block_h} bn{tile.block_n} w{tile.num_warps} s{tile.num_stages} " + \
+            ("branch" if tile.skip_scale else "select")
+    text += "" if splits is None else f" sp{splits}"
+    text += "" if tma is None else (" tma" if tma else " gather")
+    return text + ("" if ws is None else (" warp-specialized" if ws else " portable"))
 
 
 def run(suite: str, case_names, sweep: bool, reps: int, csv_path) -> list[dict]:
@@ -70,10 +86,11 @@ def run(suite: str, case_names, sweep: bool, reps: int, csv_path) -> list[dict]:
         expected = fn(**{**args, "tile_scheduler_metadata": None} if "tile_scheduler_metadata" in args else args,
                       backend="reference")
         cost = model.cost(case.op, args)
-        for tile, splits, tma in (SWEEP.get(case.name, []) if sweep else [(None, None, None)]):
-            row = dict(case=case.name, config=_describe(tile, splits, tma))
+        for config in (SWEEP.get(case.name, []) if sweep else [Config()]):
+            row = dict(case=case.name, config=_describe(config))
+            tile = config.tile
             try:
-                with tuning.forced(tile, splits, tma):
+                with tuning.forced(tile, config.splits, config.tma, warp_specialized=config.warp_specialized):
                     call_args = dict(args)
                     if "tile_scheduler_metadata" in call_args:
                         call_args["tile_scheduler_metadata"], _ = anymla.get_mla_metadata()
@@ -82,7 +99,7 @@ def run(suite: str, case_names, sweep: bool, reps: int, csv_path) -> list[dict]:
                 r = model.rates(cost, t.median_us, ceilings)
                 shrunk = fit.shrunk_to(tile) if tile is not None else set()
                 if shrunk:  # timed, but not as the config asked for
-                    row["config"] += " (ran as " + ", ".join(_describe(t, None, None) for t in shrunk) + ")"
+                    row["config"] += " (ran as " + ", ".join(_describe(Config(t)) for t in shrunk) + ")"
                 row.update(status="ok", us=t.median_us, tflops=r.tflops, gbps=r.gbps, x_matmul=r.ratio_to_matmul,
                            x_copy=r.ratio_to_copy)
             except Exception as e:  # a failing config is reported, never timed

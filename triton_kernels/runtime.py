@@ -108,6 +108,18 @@ def tensor_memory_copies(device: torch.device) -> bool:
     return device.type == "cuda" and not rocm() and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+@functools.lru_cache(maxsize=None)
+def gluon_hopper() -> bool:
+    """Triton's Gluon dialect with Hopper warp specialization (Triton 3.6 and newer): the warp-specialized
+    kernels need it; older Tritons and triton-ascend keep the portable kernels."""
+    try:
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(gl, "warp_specialize")
+
+
 def portable_loads(device: torch.device) -> bool:
     """Byte-assembled loads instead of pointer casts, a select instead of join-and-reshape (Ascend)."""
     from .tuning import forced_portable

@@ -36,12 +36,13 @@ _FORCED: dict = {}
 
 @contextlib.contextmanager
 def forced(tile: Optional["TileConfig"] = None, num_splits: Optional[int] = None, tma: Optional[bool] = None,
-           portable: Optional[bool] = None):
-    """Pin the tile config, split count, use of TMA tiles and/or of Ascend-portable loads of every launch
-    inside the block (sweeps and tests)."""
+           portable: Optional[bool] = None, warp_specialized: Optional[bool] = None):
+    """Pin the tile config, split count, use of TMA tiles, of Ascend-portable loads and/or of the
+    warp-specialized Hopper kernels of every launch inside the block (sweeps and tests)."""
     saved = dict(_FORCED)
     _FORCED.update({k: v for k, v in (("tile", tile), ("num_splits", num_splits), ("tma", tma),
-                                      ("portable", portable)) if v is not None})
+                                      ("portable", portable), ("warp_specialized", warp_specialized))
+                    if v is not None})
     try:
         yield
     finally:
@@ -59,6 +60,10 @@ def forced_tma() -> Optional[bool]:
 
 def forced_portable() -> Optional[bool]:
     return _FORCED.get("portable")
+
+
+def forced_warp_specialized() -> Optional[bool]:
+    return _FORCED.get("warp_specialized")
 
 
 def _rows_block(rows: int, cap: int) -> int:
@@ -128,3 +133,13 @@ def dense_config(kind: str, rows_per_kv_head: int) -> TileConfig:
     if bh < 64:
         return TileConfig(bh, 32, 4, 6, True)
     return _SM100_TILE if kind == "cuda_sm100" else TileConfig(64, 64, 8, 2, False)
+
+
+# The warp-specialized dense kernel for Hopper (dense_decode/hopper.py): 64 query rows, three 4-warp
+# partitions, lazy rescale per row; 64-key blocks in 2 stages fill the 227 KB of shared memory with the
+# queries (H200, 2026-11-29: 32-key blocks in 4 stages were 40 % slower, NOTES.md).
+_WARP_SPECIALIZED_DENSE = TileConfig(64, 64, 12, 2, False)
+
+
+def warp_specialized_dense_config() -> TileConfig:
+    return _FORCED.get("tile", _WARP_SPECIALIZED_DENSE)
