@@ -93,13 +93,6 @@ def _softmax_partition(q_smem, qr_smem, bufs, bars, sched, r0, s_q, group, scale
         s = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
         if D_QK == 576:
             s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute((1, 0)), s, is_async=True)
-        # While S is computed: refill the stage of the previous block once both output warpgroups are done
-        # with it (they multiply it as V while S of this block runs).
-        if (i > 0) & (j - 1 + NUM_STAGES < j1):
-            prev = (i - 1) % NUM_STAGES
-            mbarrier.wait(kv_empty.index(prev), ((i - 1) // NUM_STAGES) & 1)
-            _load_block(k_desc, r_desc, k_smem, kr_smem, kv_ready, prev, j - 1 + NUM_STAGES, bt_row_ptr, page,
-                        num_blocks, D_QK)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         # Raw logits: the scale is folded into the exponent (one FFMA an element); max(s) * scale = max(s * scale).
         if j >= n_clean:
@@ -184,6 +177,14 @@ def _output_partition(bufs, bars, sched, out_args, D_QK: gl.constexpr, NUM_STAGE
         acc = warpgroup_mma(p_smem, v, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(kv_empty.index(stage), count=1)
+        if COL0 == 0:
+            # Refill the stage as soon as both output warpgroups are done with it: loads are the critical
+            # path (two stages of 72 KB fit beside the queries), so they start here rather than wherever the
+            # softmax warpgroup happens to be.
+            if j + NUM_STAGES < j1:
+                mbarrier.wait(kv_empty.index(stage), (i // NUM_STAGES) & 1)
+                _load_block(k_desc, r_desc, k_smem, kr_smem, kv_ready, stage, j + NUM_STAGES, bt_row_ptr, page,
+                            num_blocks, D_QK)
     mbarrier.wait(done, 0)
     _store_output(acc, l_smem.load(row_l), m_smem.load(row_l), out_args, SPLIT, HAS_SINK, COL0)
 
