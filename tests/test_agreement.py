@@ -192,21 +192,51 @@ def _warp_specialized_cases():
     ]
 
 
-@pytest.mark.parametrize("splits", (1, 3, 16), ids=lambda n: f"splits{n}")
-@pytest.mark.parametrize("case", _warp_specialized_cases(), ids=_prefill_id)
-def test_warp_specialized_dense_decode(backend, case, splits, tol_scale, device):
-    """The Gluon kernel for Hopper (dense_decode/hopper.py), forced on every call, every split count."""
+def _warp_specialized_only(backend, device):
+    """The Gluon kernels for Hopper (triton_kernels/hopper/), forced: they run on sm_90 GPUs only."""
     if backend != "triton":
         pytest.skip("a kernel of the Triton tier")
     from anymla.triton_kernels import runtime, tuning
     if device.type != "cuda" or runtime.device_kind(device) != "cuda_sm90" or not runtime.gluon_hopper():
-        pytest.skip("the warp-specialized kernel runs on sm_90 GPUs with Triton's Gluon (3.6+) only")
+        pytest.skip("the warp-specialized kernels run on sm_90 GPUs with Triton's Gluon (3.6+) only")
+    return tuning
+
+
+@pytest.mark.parametrize("splits", (1, 3, 16), ids=lambda n: f"splits{n}")
+@pytest.mark.parametrize("case", _warp_specialized_cases(), ids=_prefill_id)
+def test_warp_specialized_dense_decode(backend, case, splits, tol_scale, device):
+    tuning = _warp_specialized_only(backend, device)
     c = dict(case)
     args = dense_decode_inputs(c.pop("b"), c.pop("s_q"), c.pop("h_q"), c.pop("h_kv"), c.pop("s_k"), device=device,
                                seed=zlib.crc32(_prefill_id(case).encode()), **c)
     with tuning.forced(num_splits=splits, warp_specialized=True):
         got, ref = _decode_pair(args, backend)
     compare_outputs("dense_decode", got, ref, scale=tol_scale)
+
+
+WARP_SPECIALIZED_PREFILL = [dict(d_qk=d, h_q=h, s_kv=s_kv, topk=k, s_q=s_q, sink=sink, topk_length=tl)
+                            for d, h, (s_kv, k), s_q, sink, tl in itertools.product(
+                                (576, 512), (128, 64, 40), ((592, 128), (1840, 256), (95, 128), (300, 100),
+                                                            (4096, 2048)), (1, 62), (False, True), (False, True))]
+WARP_SPECIALIZED_PREFILL += [
+    dict(d_qk=576, h_q=64, s_kv=200, topk=192, s_q=3, shuffle_invalid=True),  # leading invalid padding
+    dict(d_qk=512, h_q=64, s_kv=300, topk=128, s_q=40, all_invalid_rows=True, topk_length=True),
+    dict(d_qk=576, h_q=128, s_kv=1592, topk=384, s_q=33, amplify=True, sink=True, topk_length=True),
+    dict(d_qk=576, h_q=64, s_kv=1000, topk=256, s_q=5, dtype=torch.float16),
+]
+
+
+@pytest.mark.parametrize("case", WARP_SPECIALIZED_PREFILL, ids=_prefill_id)
+def test_warp_specialized_sparse_prefill(backend, case, tol_scale, device):
+    tuning = _warp_specialized_only(backend, device)
+    c = dict(case)
+    amplified = c.get("amplify", False)
+    args = prefill_inputs(c.pop("s_q"), c.pop("h_q"), c.pop("d_qk"), c.pop("s_kv"), c.pop("topk"), device=device,
+                          seed=zlib.crc32(_prefill_id(case).encode()), **c)
+    with tuning.forced(warp_specialized=True):
+        got = anymla.flash_mla_sparse_fwd(**args, backend=backend)
+    compare_outputs("sparse_prefill", got, anymla.flash_mla_sparse_fwd(**args, backend="reference"),
+                    amplified=amplified, scale=tol_scale)
 
 
 @pytest.mark.parametrize("skip_scale", (True, False), ids=("block-branch", "row-select"))

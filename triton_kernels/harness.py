@@ -40,19 +40,18 @@ class Config(NamedTuple):
 # Configurations tried by --sweep, per case. Earlier sweeps and their outcomes: ../bench/results/h200/sweeps/
 # and each kernel's NOTES.md. Gathers prefetch only from 5 stages on (compile_report's "prefetch" column),
 # hence the BN 32/16 deep configs.
-_PREFILL = [Config(TileConfig(64, 64, 8, st, False)) for st in (3, 2, 1)]
+# The 64-row cases: the warp-specialized Hopper kernels against the portable ones.
+_HOPPER_AB = [Config(warp_specialized=True), Config(warp_specialized=False)]
 _DECODE = [Config(TileConfig(64, bn, 8, st, False)) for bn, st in ((64, 1), (32, 5), (32, 7))]
-# The dense 64-row cases: the warp-specialized Hopper kernel against the portable one.
-_DENSE_64_ROWS = [Config(warp_specialized=True), Config(warp_specialized=False)]
 SWEEP = {
-    "prefill-v32-h128": _PREFILL, "prefill-v4-h64": _PREFILL,
+    "prefill-v32-h128": _HOPPER_AB, "prefill-v4-h64": _HOPPER_AB,
     "sdecode-v32-b128-sq2-h128": _DECODE,
     "sdecode-v41+fp4-b128-h64": [Config(TileConfig(64, 64, 8, 1, False), sp) for sp in (None, 2)],
     "sdecode-v32-b64-sq1-h64": [Config(TileConfig(64, bn, 8, st, False)) for bn, st in ((64, 1), (64, 2), (32, 3))],
     "ddecode-b128-h16-sk8192": [Config(TileConfig(16, bn, 4, st, True), sp, True) for bn, st, sp in
                                 ((32, 6, None), (32, 8, None), (32, 6, 3), (64, 4, None))],
-    "ddecode-b128-sq2-h128-sk8192": _DENSE_64_ROWS,
-    "ddecode-b1-h128-sk32768": _DENSE_64_ROWS,
+    "ddecode-b128-sq2-h128-sk8192": _HOPPER_AB,
+    "ddecode-b1-h128-sk32768": _HOPPER_AB,
 }
 # Tensor-parallel head counts (16 or 8 heads a GPU): one 16-row tile, memory-bound.
 _FEW_HEADS = [Config(TileConfig(16, bn, 4, st, False)) for bn, st in ((64, 2), (32, 4), (32, 6), (16, 8))]

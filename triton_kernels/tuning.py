@@ -135,11 +135,14 @@ def dense_config(kind: str, rows_per_kv_head: int) -> TileConfig:
     return _SM100_TILE if kind == "cuda_sm100" else TileConfig(64, 64, 8, 2, False)
 
 
-# The warp-specialized dense kernel for Hopper (dense_decode/hopper.py): 64 query rows, three 4-warp
-# partitions, lazy rescale per row; 64-key blocks in 2 stages fill the 227 KB of shared memory with the
-# queries (H200, 2026-11-29: 32-key blocks in 4 stages were 40 % slower, NOTES.md).
-_WARP_SPECIALIZED_DENSE = TileConfig(64, 64, 12, 2, False)
+# The warp-specialized Hopper kernels (hopper/): 64 query rows, three 4-warp partitions, lazy rescale per
+# row; 64-key blocks in 2 stages fill the 227 KB of shared memory with the queries (H200, 2026-11-29, dense:
+# 32-key blocks in 4 stages were 40 % slower, dense_decode/NOTES.md).
+_WARP_SPECIALIZED = TileConfig(64, 64, 12, 2, False)
 
 
-def warp_specialized_dense_config() -> TileConfig:
-    return _FORCED.get("tile", _WARP_SPECIALIZED_DENSE)
+def warp_specialized_config() -> Optional[TileConfig]:
+    """The tile of the Hopper kernels, or None when a tile meant for the portable kernels is forced (the
+    Hopper kernels' tiles are told apart by their 12 warps)."""
+    tile = _FORCED.get("tile", _WARP_SPECIALIZED)
+    return tile if tile.num_warps == 12 else None

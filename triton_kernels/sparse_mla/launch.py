@@ -14,6 +14,7 @@ from anymla.kvcache import KVCacheFormat
 
 from .. import runtime
 from ..fit import launch_fitting
+from ..hopper import launch as hopper
 from ..splits import SplitPlan, choose_num_splits, combine, make_plan
 from ..tuning import sparse_config
 from .kernel import sparse_mla_kernel
@@ -90,7 +91,10 @@ def sparse_prefill(p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out = buffers.empty(s_q, h_q, p.d_v, dtype=q.dtype, device=q.device)
     lse = buffers.empty(s_q, h_q, dtype=torch.float32, device=q.device)
     max_logits = buffers.empty(*lse.shape, dtype=lse.dtype, device=lse.device)
-    if s_q:
+    if s_q and hopper.sparse_prefill_fits(q, kv, main.indices, tile):
+        hopper.launch_sparse_prefill(q, kv, main.indices, p.topk_length, p.attn_sink, p.sm_scale, out, lse,
+                                     max_logits)
+    elif s_q:
         _launch(q, main, None, 1, p.attn_sink, p.sm_scale, out, lse, max_logits, SplitPlan(tile, 1))
     return out, max_logits, lse
 

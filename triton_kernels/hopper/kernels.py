@@ -1,0 +1,89 @@
+"""The Hopper (sm_90) kernels, in Gluon: dense decoding over a paged bf16/fp16 cache and sparse prefill.
+
+Each entry point maps its program to 64 query rows and a key range, stages the queries in shared memory and
+forks into the partitions of ``partitions.py``. Why these kernels exist next to the portable ones, what was
+measured: ``../dense_decode/NOTES.md`` and ``../sparse_mla/NOTES.md``.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from .partitions import BLOCK_H, REGS, VECTOR_LAYOUT, allocate, load_queries, output_hi, output_lo, softmax_partition
+
+
+@gluon.jit
+def dense_decode_hopper_kernel(
+        q_ptr, sq_b, sq_i, sq_h, k_desc, r_desc, page, num_blocks,
+        bt_ptr, sbt_b, lens_ptr, sink_ptr,
+        out_ptr, so_b, so_i, so_h, lse_ptr, sl_b, sl_i, sl_h, po_ptr, plse_ptr,
+        s_q, num_heads, rb_per_head, num_splits, scale_log2,
+        D_QK: gl.constexpr, CAUSAL: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
+        NUM_STAGES: gl.constexpr):
+    """Program ``(request * row_blocks + row_block, split)``: 64 packed rows (row r: query ``r // h_q``, head
+    ``r % h_q``; one kv head) over one split's key blocks of whole pages, fetched by TMA."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    b = pid // rb_per_head
+    r0 = (pid % rb_per_head) * BLOCK_H
+    group = num_heads  # h_kv = 1
+    q_rows = s_q * group
+
+    length = gl.load(lens_ptr + b)
+    n_blocks = gl.cdiv(length, BLOCK_N)
+    per_split = gl.cdiv(n_blocks, num_splits)
+    j0 = split * per_split
+    j1 = gl.minimum(j0 + per_split, n_blocks)
+
+    k_layout: gl.constexpr = k_desc.layout
+    if D_QK == 576:
+        r_layout: gl.constexpr = r_desc.layout
+        q_smem, qr_smem, bufs, bars = allocate(k_desc.dtype, BLOCK_N, D_QK, NUM_STAGES, k_layout, r_layout, False)
+    else:  # no rope tiles
+        q_smem, qr_smem, bufs, bars = allocate(k_desc.dtype, BLOCK_N, D_QK, NUM_STAGES, k_layout, k_layout, False)
+    rows = r0 + gl.arange(0, BLOCK_H, layout=VECTOR_LAYOUT)
+    load_queries(q_ptr, b.to(gl.int64) * sq_b + (rows // group) * sq_i + (rows % group) * sq_h, rows < q_rows,
+                 q_smem, qr_smem, D_QK)
+
+    out_args = (q_rows, out_ptr, so_b, so_i, so_h, lse_ptr, sl_b, sl_i, sl_h, po_ptr, plse_ptr, sink_ptr,
+                b, r0, s_q, group, num_heads, num_splits, split)
+    sched = (k_desc, r_desc, q_ptr, 0, 0, q_smem, bt_ptr + b.to(gl.int64) * sbt_b, page, num_blocks, j0, j1, length)
+    # (constexpr arguments are spelled out in each tuple: a tuple kept in a variable turns them into tensors)
+    gl.warp_specialize([
+        (softmax_partition, (q_smem, qr_smem, bufs, bars, sched, r0, s_q, group, scale_log2, D_QK, CAUSAL,
+                             NUM_STAGES, False)),
+        (output_lo, (bufs, bars, sched, out_args, D_QK, NUM_STAGES, False, SPLIT, HAS_SINK)),
+        (output_hi, (bufs, bars, sched, out_args, D_QK, NUM_STAGES, False, SPLIT, HAS_SINK)),
+    ], [4, 4], [REGS, REGS])
+
+
+@gluon.jit
+def sparse_prefill_hopper_kernel(
+        q_ptr, sq_t, sq_h, kv_ptr, skv_r, s_kv, idx_ptr, si_t, topk, len_ptr, sink_ptr,
+        out_ptr, so_t, so_h, lse_ptr, max_ptr, h_q, hb_per_token, scale_log2,
+        D_QK: gl.constexpr, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, BLOCK_N: gl.constexpr,
+        NUM_STAGES: gl.constexpr, K_LAYOUT: gl.constexpr, R_LAYOUT: gl.constexpr):
+    """Program ``token * head_blocks + head_block``: 64 heads of one token (one kv head) over the token's
+    ``topk`` gathered rows; blocks past ``topk_length`` are never visited."""
+    pid = gl.program_id(0)
+    t = pid // hb_per_token
+    r0 = (pid % hb_per_token) * BLOCK_H
+    length = topk
+    if HAS_LEN:
+        length = gl.maximum(gl.minimum(topk, gl.load(len_ptr + t)), 0)
+
+    q_smem, qr_smem, bufs, bars = allocate(q_ptr.dtype.element_ty, BLOCK_N, D_QK, NUM_STAGES, K_LAYOUT, R_LAYOUT,
+                                           True)
+    idx_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    heads = r0 + gl.arange(0, BLOCK_H, layout=VECTOR_LAYOUT)
+    load_queries(q_ptr, t.to(gl.int64) * sq_t + heads * sq_h, heads < h_q, q_smem, qr_smem, D_QK)
+
+    out_args = (h_q, out_ptr, so_t, so_h, lse_ptr, max_ptr, sink_ptr, t, r0)
+    sched = (0, 0, kv_ptr, skv_r, s_kv, idx_smem, idx_ptr + t.to(gl.int64) * si_t, 0, 0, 0, gl.cdiv(length, BLOCK_N),
+             length)
+    gl.warp_specialize([
+        (softmax_partition, (q_smem, qr_smem, bufs, bars, sched, r0, 1, h_q, scale_log2, D_QK, False,
+                             NUM_STAGES, True)),
+        (output_lo, (bufs, bars, sched, out_args, D_QK, NUM_STAGES, True, False, HAS_SINK)),
+        (output_hi, (bufs, bars, sched, out_args, D_QK, NUM_STAGES, True, False, HAS_SINK)),
+    ], [4, 4], [REGS, REGS])
