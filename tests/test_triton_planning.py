@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from anymla.triton_kernels.fit import shrinking
 from anymla.triton_kernels.splits import MAX_SPLITS, choose_num_splits
@@ -46,6 +47,39 @@ def test_shipped_tiles_fit_each_gpu_generation(arch):
     res = subprocess.run([sys.executable, "-m", "anymla.triton_kernels.compile_report", "--shipped", "--arch",
                           arch], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+
+
+def test_hopper_kernels_build_for_sm90_and_fit():
+    """The Gluon kernels (triton_kernels/hopper/) compile for sm_90 with the installed Triton, within the
+    shared memory of a block and without more than a few spilled bytes (offline, no GPU)."""
+    from anymla.triton_kernels import runtime
+    if not runtime.gluon_hopper():
+        pytest.skip("this Triton's Gluon is not a version the Hopper kernels were checked with (3.6, 3.7)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-m", "anymla.triton_kernels.compile_report", "--hopper"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stdout.count(" fits ") == 2, res.stdout
+
+
+def test_hopper_kernels_are_chosen_only_where_they_were_checked(monkeypatch):
+    """Their tile is told apart from the portable kernels' (a forced portable tile turns them off); Gluon
+    versions outside the checked ones, and devices other than sm_90, keep the portable kernels."""
+    import triton
+    from anymla.triton_kernels import runtime, tuning
+    assert tuning.warp_specialized_config() == tuning.TileConfig(64, 64, 12, 2, False)
+    with tuning.forced(tuning.TileConfig(64, 64, 8, 1)):
+        assert tuning.warp_specialized_config() is None
+    with tuning.forced(tuning.TileConfig(64, 32, 12, 4)):
+        assert tuning.warp_specialized_config().block_n == 32
+    runtime.gluon_hopper.cache_clear()
+    monkeypatch.setattr(triton, "__version__", "3.5.1")
+    try:
+        assert not runtime.gluon_hopper()
+    finally:
+        runtime.gluon_hopper.cache_clear()
+    from anymla.triton_kernels.hopper import launch
+    assert not launch._wanted(torch.device("cpu"), tuning.TileConfig(64, 64, 8, 3))
 
 
 def test_compile_report_reads_prefetch_depth_per_loop():

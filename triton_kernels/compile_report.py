@@ -102,11 +102,12 @@ def _usage(compiled, arch: Arch) -> tuple[int, int]:
     return int(regs.group(1)) if regs else -1, int(spills.group(1)) if spills else -1
 
 
-def report(kernel, pointer_types: dict, constexprs: dict, num_warps: int, arch: Arch = ARCHS["90"]) -> dict:
+def report(kernel, pointer_types: dict, constexprs: dict, num_warps: int, arch: Arch = ARCHS["90"],
+           source=ASTSource, **options) -> dict:
     t0 = time.time()
-    src = ASTSource(kernel, _signature(kernel, pointer_types, constexprs), constexprs, _divisibility(kernel, constexprs))
+    src = source(kernel, _signature(kernel, pointer_types, constexprs), constexprs, _divisibility(kernel, constexprs))
     compiled = triton.compile(src, target=GPUTarget(arch.backend, arch.name, arch.warp),
-                              options=dict(num_warps=num_warps))
+                              options=dict(num_warps=num_warps, **options))
     regs, spills = _usage(compiled, arch)
     smem = compiled.metadata.shared
     return dict(regs=regs, spill_bytes=spills, smem=smem, fits=smem <= arch.smem,
@@ -160,7 +161,7 @@ def _jobs(shipped: bool, arch: Arch) -> list:
     kind = arch.kind
 
     def tiles(sweep_cases, shipped_tiles):
-        return shipped_tiles if shipped else [t for case in sweep_cases for t, *_ in SWEEP[case]]
+        return shipped_tiles if shipped else [c.tile for case in sweep_cases for c in SWEEP[case] if c.tile]
     return [
         ("sparse_prefill d576", sparse_mla_kernel, _sparse_ptrs(0), lambda t: sparse_constexprs(t, 576, 0, arch=arch),
          tiles(["prefill-v32-h128"], [sparse_config(kind, h, False) for h in (128, 16)])),
@@ -176,6 +177,36 @@ def _jobs(shipped: bool, arch: Arch) -> list:
     ]
 
 
+def hopper_reports() -> list:
+    """(label, report) of the Gluon kernels of ``hopper/`` compiled for sm_90 with their shipped tile: they
+    exist for Hopper only, and Gluon's API moves between Triton releases, so this also checks that the
+    installed Triton still builds them."""
+    import torch
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+    from .hopper import kernels
+    from .hopper.launch import _shared_layout
+    from .hopper.partitions import REGS
+    from .tuning import warp_specialized_config
+    tile = warp_specialized_config()
+    rows = torch.empty(64 * tile.block_n, 576, dtype=torch.bfloat16)  # a stand-in: only shape and dtype matter
+
+    def desc(cols):
+        block = [tile.block_n, cols]
+        return mangle_type(TensorDescriptor(rows, list(rows.shape), list(rows.stride()), block,
+                                            _shared_layout(block, rows)))
+    ints = {n: "*i32" for n in ("bt_ptr", "lens_ptr", "idx_ptr", "len_ptr")}
+    bf16 = {n: "*bf16" for n in ("q_ptr", "out_ptr", "kv_ptr")}
+    jobs = [("hopper dense d576", kernels.dense_decode_hopper_kernel, {**ints, **bf16, "k_desc": desc(512),
+             "r_desc": desc(64)}, dict(D_QK=576, CAUSAL=True, HAS_SINK=True, SPLIT=True, NUM_STAGES=tile.num_stages)),
+            ("hopper sparse prefill", kernels.sparse_prefill_hopper_kernel, {**ints, **bf16},
+             dict(D_QK=576, HAS_LEN=True, HAS_SINK=True, BLOCK_N=tile.block_n, NUM_STAGES=tile.num_stages,
+                  K_LAYOUT=_shared_layout([tile.block_n, 512], rows), R_LAYOUT=_shared_layout([tile.block_n, 64], rows)))]
+    return [(label, report(kernel, ptrs, consts, 4, ARCHS["90"], GluonASTSource, maxnreg=REGS.value))
+            for label, kernel, ptrs, consts in jobs]
+
+
 def _line(label: str, tile: TileConfig, r: dict) -> str:
     return (f"{label:22s} {tile}  regs {r['regs']:3d} spill {r['spill_bytes']:5d} B smem {r['smem']:6d} "
             f"prefetch {r['prefetch']:2d} {'fits' if r['fits'] else 'TOO BIG'}  ({r['compile_s']} s)")
@@ -189,10 +220,18 @@ def main() -> None:
     ap.add_argument("--shipped", action="store_true",
                     help="the configs the tuning tables ship for --arch, each followed down the fit ladder until "
                          "it fits; exit status 1 if a shipped config does not fit as shipped")
+    ap.add_argument("--hopper", action="store_true", help="the Gluon kernels of hopper/ (sm_90, shipped tile)")
     ap.add_argument("only", nargs="?", default="", help="only kernels whose label contains this")
     a = ap.parse_args()
     arch = ARCHS[a.arch]
     print(f"{a.arch} ({arch.kind}): a block may use {arch.smem} bytes of shared memory", flush=True)
+    if a.hopper:
+        from .tuning import warp_specialized_config
+        for label, r in hopper_reports():
+            print(_line(label, warp_specialized_config(), r), flush=True)
+            if not r["fits"] or r["spill_bytes"] > 64:
+                raise SystemExit(f"{label}: does not fit sm_90 as shipped")
+        return
     seen, misfits = set(), 0
     for label, kernel, ptrs, consts, configs in _jobs(a.shipped, arch):
         for tile in configs:

@@ -108,10 +108,18 @@ def tensor_memory_copies(device: torch.device) -> bool:
     return device.type == "cuda" and not rocm() and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+# Gluon's API still moves between releases (3.5's warp_specialize took its arguments in another order): the
+# Hopper kernels are run on 3.6 (H200) and compile-checked on 3.7.
+_GLUON_VERSIONS = ((3, 6), (3, 7))
+
+
 @functools.lru_cache(maxsize=None)
 def gluon_hopper() -> bool:
-    """Triton's Gluon dialect with Hopper warp specialization (Triton 3.6 and newer): the warp-specialized
-    kernels need it; older Tritons and triton-ascend keep the portable kernels."""
+    """Triton's Gluon dialect with Hopper warp specialization, in a version the Hopper kernels were checked
+    with; other Tritons (and triton-ascend) keep the portable kernels."""
+    import triton
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) not in _GLUON_VERSIONS:
+        return False
     try:
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
