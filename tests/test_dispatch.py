@@ -141,7 +141,10 @@ def test_explain_says_how_far_the_chosen_backend_was_verified_on_the_device(fres
     monkeypatch.setattr(runtime, "device_kind", lambda device: "rocm")
     assert "never run" in runtime.verification(torch.device("cuda"))[0]
     monkeypatch.setattr(runtime, "device_kind", lambda device: "cuda_sm90")
+    monkeypatch.setattr(runtime, "gluon_hopper", lambda: True)
     assert runtime.verification(torch.device("cuda")) == []
+    monkeypatch.setattr(runtime, "gluon_hopper", lambda: False)  # a Triton whose Gluon was not checked
+    assert "portable kernels run" in runtime.verification(torch.device("cuda"))[0]
 
 
 # ---------------------------------------------------------------- precedence

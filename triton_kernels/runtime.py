@@ -158,5 +158,10 @@ def verification(device: torch.device) -> list[str]:
     """The caveat ``explain`` shows for the Triton tier on ``device``; empty where it was run and measured."""
     if device.type not in ("cuda", "npu", "cpu"):
         return []
-    note = _VERIFICATION.get(device_kind(device))
+    kind = device_kind(device)
+    if kind == "cuda_sm90" and not gluon_hopper():
+        import triton
+        return [f"Hopper: Triton {triton.__version__} is not a version the warp-specialized kernels were checked "
+                "with (3.6, 3.7), so the portable kernels run: about half the speed on compute-bound shapes"]
+    note = _VERIFICATION.get(kind)
     return [note] if note else []
