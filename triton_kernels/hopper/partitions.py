@@ -317,8 +317,8 @@ def _store_output(acc, l, m_use, m_run, out_args, SPARSE: gl.constexpr, SPLIT: g
         if HAS_SINK:
             sink = gl.load(sink_ptr + head, mask=row_ok, other=float("-inf"))
             scale = scale / (1.0 + gl.exp2(sink * LOG2E - lse2))
-        gl.store(out_ptr + gl.expand_dims(orow, 1) + cols, (acc * gl.expand_dims(scale, 1)).to(out_ptr.dtype.element_ty),
-                 mask=gl.expand_dims(row_ok, 1))
+        out = (acc * gl.expand_dims(scale, 1)).to(out_ptr.dtype.element_ty)
+        gl.store(out_ptr + gl.expand_dims(orow, 1) + cols, out, mask=gl.expand_dims(row_ok, 1))
         if COL0 == 0:
             gl.store(lse_ptr + stat, gl.where(empty, float("inf"), lse2 * LN2), mask=row_ok)
             if SPARSE:
@@ -341,10 +341,12 @@ def output_hi(bufs, bars, sched, out_args, D_QK: gl.constexpr, NUM_STAGES: gl.co
 def allocate(dtype: gl.constexpr, BLOCK_N: gl.constexpr, D_QK: gl.constexpr, NUM_STAGES: gl.constexpr,
              k_layout: gl.constexpr, r_layout: gl.constexpr, SPARSE: gl.constexpr):
     """Shared memory and barriers of one program: ``(q_smem, qr_smem, bufs, bars)``."""
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, 512], gl.NVMMASharedLayout.get_default_for([BLOCK_H, 512], dtype))
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, 512],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_H, 512], dtype))
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, 512], k_layout)
     if D_QK == 576:
-        qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, 64], gl.NVMMASharedLayout.get_default_for([BLOCK_H, 64], dtype))
+        qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, 64],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_H, 64], dtype))
         kr_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, 64], r_layout)
     else:
         qr_smem = q_smem
