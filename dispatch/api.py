@@ -9,6 +9,7 @@ the compiled graph runs.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 from typing import Callable, Optional, Tuple, Union
 
 import torch
@@ -24,8 +25,9 @@ _EXPLAINING: contextvars.ContextVar[bool] = contextvars.ContextVar("anymla_expla
 
 
 class _Explained(Exception):
-    def __init__(self, decision: Decision):
+    def __init__(self, decision: Decision, problem):
         self.decision = decision
+        self.problem = problem
 
 
 def _execute(problem, backend: BackendChoice):
@@ -33,7 +35,7 @@ def _execute(problem, backend: BackendChoice):
     calls that pass metadata: this reads shapes, so only after validation) and run."""
     decision = select(problem, backend)
     if _EXPLAINING.get():
-        raise _Explained(decision)
+        raise _Explained(decision, problem)
     sched = getattr(problem, "sched", None)
     if sched is not None:
         sched.bind(_config(problem))
@@ -200,8 +202,9 @@ def explain(op: Union[str, Callable], *args, **kwargs) -> Decision:
     """The decision the dispatcher makes for ``op(*args, **kwargs)``, without running it.
 
     ``op`` is :func:`flash_mla_with_kvcache` or :func:`flash_mla_sparse_fwd` (or its name). The returned
-    :class:`~anymla.selection.Decision` is the very object the call uses; ``print()`` it to read the chosen
-    backend and why each other backend was not chosen. Bad arguments raise as the call would.
+    :class:`~anymla.selection.Decision` is the call's (cached) decision plus, where the chosen backend has
+    several kernels, the one it would run for these arguments and why; ``print()`` it to read the chosen
+    backend, the kernel, and why each other backend was not chosen. Bad arguments raise as the call would.
     """
     fn = _OPS.get(op) if isinstance(op, str) else op
     if fn not in _OPS.values():
@@ -210,7 +213,7 @@ def explain(op: Union[str, Callable], *args, **kwargs) -> Decision:
     try:
         fn(*args, **kwargs)
     except _Explained as done:
-        return done.decision
+        return dataclasses.replace(done.decision, kernel=done.decision.impl.kernel(done.problem))
     finally:
         _EXPLAINING.reset(token)
     raise RuntimeError("explain: the op returned without reaching the dispatcher")

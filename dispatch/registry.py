@@ -42,6 +42,11 @@ class Backend:
         has been verified there. Empty when nothing needs saying."""
         return []
 
+    def kernel(self, problem) -> str:
+        """Which of this backend's kernels ``problem`` would run, and why (``explain()``); empty when the
+        backend has one way to run it."""
+        return ""
+
     def not_supported_reasons(self, problem) -> list[str]:
         if problem.op not in self.ops:
             return [f"does not implement {problem.op} (implements: {', '.join(sorted(self.ops))})"]

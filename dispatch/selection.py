@@ -51,9 +51,11 @@ class Decision:
     rejected: tuple = ()  # ((backend name, (reason, ...)), ...)
     impl: Backend = field(default=None, repr=False, compare=False)
     caveats: tuple = ()  # how far the chosen backend has been verified on this device
+    kernel: str = ""  # which of the backend's kernels runs, and why (filled in by explain())
 
     def __str__(self) -> str:
         lines = [f"{self.op} on {self.device}: {self.backend} (chosen by {self.source})", f"  shape: {self.shape}"]
+        lines += [f"  kernel: {self.kernel}"] if self.kernel else []
         lines += [f"  caveat: {c}" for c in self.caveats]
         lines += [f"  not {name}: {'; '.join(reasons)}" for name, reasons in self.rejected]
         return "\n".join(lines)

@@ -2,6 +2,7 @@
 backends that cannot run or do not exist, fallback, custom backends, and the per-signature decision cache.
 """
 
+import dataclasses
 import json
 import os
 from types import SimpleNamespace
@@ -104,15 +105,17 @@ def test_a_device_without_a_priority_list_falls_back_to_the_reference(fresh_disp
     assert dict(d.rejected)["triton"], "triton cannot run on meta and says why"
 
 
-def test_explain_returns_the_decision_object_the_call_uses(fresh_dispatch, monkeypatch):
+def test_explain_returns_the_decision_the_call_uses(fresh_dispatch, monkeypatch):
+    """The call's cached decision, plus the kernel note that only explain() computes."""
     a = prefill_args()
-    d1 = explain_prefill(a)
-    assert explain_prefill(prefill_args(seed=1)) is d1, "same signature -> the cached decision itself"
+    d1 = explain_prefill(a, backend="triton")
+    assert explain_prefill(prefill_args(seed=1), backend="triton") == d1, "same signature -> same decision"
     used = []
     real_select = anymla.api.select
     monkeypatch.setattr(anymla.api, "select", lambda *args: used.append(real_select(*args)) or used[-1])
-    anymla.flash_mla_sparse_fwd(**a)
-    assert used == [d1] and used[0] is d1
+    anymla.flash_mla_sparse_fwd(**a, backend="triton")
+    assert d1.kernel and used == [dataclasses.replace(d1, kernel="")]
+    assert used[0] is real_select(SparsePrefill(**a), "triton"), "the call reuses the cached decision"
 
 
 def test_explain_accepts_the_op_name_and_raises_like_the_call(fresh_dispatch):
@@ -145,6 +148,13 @@ def test_explain_says_how_far_the_chosen_backend_was_verified_on_the_device(fres
     assert runtime.verification(torch.device("cuda")) == []
     monkeypatch.setattr(runtime, "gluon_hopper", lambda: False)  # a Triton whose Gluon was not checked
     assert "portable kernels run" in runtime.verification(torch.device("cuda"))[0]
+
+
+def test_explain_names_the_triton_kernel_and_why(fresh_dispatch):
+    d = explain_prefill(prefill_args(), backend="triton")
+    assert d.kernel.startswith("the portable sparse kernel; not the Hopper one: they run on sm_90 GPUs only")
+    assert "  kernel: the portable sparse kernel" in str(d)
+    assert explain_prefill(prefill_args(), backend="reference").kernel == ""
 
 
 # ---------------------------------------------------------------- precedence

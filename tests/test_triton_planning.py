@@ -79,7 +79,33 @@ def test_hopper_kernels_are_chosen_only_where_they_were_checked(monkeypatch):
     finally:
         runtime.gluon_hopper.cache_clear()
     from anymla.triton_kernels.hopper import launch
-    assert not launch._wanted(torch.device("cpu"), tuning.TileConfig(64, 64, 8, 3))
+    assert launch._device_reasons(torch.device("cpu"), tuning.TileConfig(64, 64, 8, 3))
+
+
+def _dense_problem(h_kv=1, page=64, dtype=torch.bfloat16):
+    from anymla.problems import DenseDecode
+    from anymla.testing import dense_decode_inputs
+    a = dense_decode_inputs(2, 2, 64, h_kv, 140, page=page, dtype=dtype)
+    return DenseDecode(a["q"], a["k_cache"], a["block_table"], a["cache_seqlens"], 0.1, causal=True)
+
+
+def test_hopper_kernels_state_why_they_do_not_take_a_call(monkeypatch):
+    """On an sm_90 GPU with a checked Gluon (patched in here), the reasons name what does not fit: kv heads,
+    page size, dtype, packing; forcing the kernel then raises with those reasons."""
+    from anymla.triton_kernels import runtime, tuning
+    from anymla.triton_kernels.hopper import launch
+    monkeypatch.setattr(runtime, "device_kind", lambda device: "cuda_sm90")
+    monkeypatch.setattr(runtime, "gluon_hopper", lambda: True)
+    tile = tuning.TileConfig(64, 64, 8, 2)
+    assert launch.dense_decode_reasons(_dense_problem(), tile) == []
+    assert "h_kv 2" in launch.dense_decode_reasons(_dense_problem(h_kv=2), tile)[0]
+    assert "page size 53" in launch.dense_decode_reasons(_dense_problem(page=53), tile)[0]
+    assert "float32" in launch.dense_decode_reasons(_dense_problem(dtype=torch.float32), tile)[0]
+    assert "fewer than 33" in launch.dense_decode_reasons(_dense_problem(), tuning.TileConfig(16, 32, 4, 6))[0]
+    with tuning.forced(warp_specialized=True):
+        with pytest.raises(ValueError, match="forced, but: h_kv 2"):
+            launch.use(launch.dense_decode_reasons(_dense_problem(h_kv=2), tile))
+    assert launch.describe([], "dense decode").startswith("the warp-specialized Hopper kernel")
 
 
 def test_compile_report_reads_prefetch_depth_per_loop():

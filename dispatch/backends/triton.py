@@ -20,6 +20,13 @@ class TritonBackend(Backend):
         from anymla.triton_kernels.runtime import verification
         return verification(device)
 
+    def kernel(self, problem) -> str:
+        if problem.op == "dense_decode":
+            from anymla.triton_kernels.dense_decode.launch import kernel_choice
+        else:
+            from anymla.triton_kernels.sparse_mla.launch import kernel_choice
+        return kernel_choice(problem)
+
     def sparse_prefill(self, problem):
         from anymla.triton_kernels.sparse_mla.launch import sparse_prefill
         return sparse_prefill(problem)

@@ -43,6 +43,13 @@ def _descriptors(kv: torch.Tensor, tile: TileConfig, d: int):
     return k_desc, r_desc
 
 
+def kernel_choice(p) -> str:
+    """Which kernel :func:`dense_decode` runs for ``p``, and why (``explain()``)."""
+    b, s_q, h_q, _ = p.q.shape
+    tile = dense_config(runtime.device_kind(p.device), s_q * (h_q // p.k_cache.shape[2]))
+    return hopper.describe(hopper.dense_decode_reasons(p, tile), "dense decode")
+
+
 def dense_decode(p) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense ``flash_mla_with_kvcache`` on the Triton tier (``p``: :class:`anymla.problems.DenseDecode`).
 
@@ -70,7 +77,7 @@ def dense_decode(p) -> tuple[torch.Tensor, torch.Tensor]:
             USE_TMA=k_desc is not None, BLOCK_H=tile.block_h, BLOCK_N=tile.block_n, SKIP_SCALE=tile.skip_scale,
             NUM_STAGES=tile.num_stages, num_warps=tile.num_warps, **constexprs)
 
-    if hopper.dense_decode_fits(p, plan.tile):
+    if hopper.use(hopper.dense_decode_reasons(p, plan.tile)):
         hopper.launch_dense_decode(p, plan, out, lse, constexprs["CAUSAL"], constexprs["SPLIT"])
     else:
         launch_fitting(("dense_decode", tuple(sorted(constexprs.items()))), plan.tile, launch)

@@ -17,39 +17,73 @@ from ..splits import SplitPlan
 from ..tuning import TileConfig, forced_tma, forced_warp_specialized, warp_specialized_config
 
 
-def _wanted(device: torch.device, tile: TileConfig) -> bool:
-    return (forced_warp_specialized() is not False and tile.block_h == 64 and warp_specialized_config() is not None
-            and runtime.device_kind(device) == "cuda_sm90" and runtime.gluon_hopper())
+def _device_reasons(device: torch.device, tile: TileConfig) -> list[str]:
+    """Why the Hopper kernels cannot take this device or tile (empty: they can)."""
+    if forced_warp_specialized() is False:
+        return ["turned off (tuning.forced(warp_specialized=False))"]
+    kind = runtime.device_kind(device)
+    if kind != "cuda_sm90":
+        here = {"interpret": "Triton's interpreter", "npu": "an Ascend NPU", "rocm": "an AMD GPU"}.get(kind)
+        return [f"they run on sm_90 GPUs only, this is {here or 'sm_%d%d' % torch.cuda.get_device_capability(device)}"]
+    if not runtime.gluon_hopper():
+        return [f"Triton {triton.__version__}'s Gluon is not a version they were checked with (3.6, 3.7)"]
+    if warp_specialized_config() is None:
+        return ["a tile of the portable kernel is forced"]
+    if tile.block_h != 64:
+        return ["fewer than 33 query rows a kv head: a 64-row tile would be mostly padding (the portable kernel's "
+                "small tiles run such calls at the copy rate)"]
+    return []
 
 
-def _fits(wanted: bool, ok: bool) -> bool:
-    if wanted and not ok and forced_warp_specialized():
-        raise ValueError("the warp-specialized Hopper kernel was forced, but this call does not fit it")
-    return wanted and ok
+def _value_reasons(q: torch.Tensor, kv: torch.Tensor, h_kv: int) -> list[str]:
+    reasons = [] if h_kv == 1 else [f"h_kv {h_kv}: they take one kv head"]
+    if q.dtype != kv.dtype or q.dtype not in (torch.bfloat16, torch.float16):
+        reasons.append(f"q {q.dtype} and cache {kv.dtype}: they take bf16 or fp16, the same for both")
+    if q.stride(-1) != 1 or kv.stride(-1) != 1 or kv.data_ptr() % 16:
+        reasons.append("q or the cache is not contiguous along its last dimension, or the cache not 16-byte aligned")
+    return reasons
 
 
-def _sixteen_bit(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == tensors[0].dtype for t in tensors) and tensors[0].dtype in (torch.bfloat16, torch.float16)
-
-
-def dense_decode_fits(p, tile: TileConfig) -> bool:
-    """Dense decoding: also pages of whole key blocks and cache rows the TMA can address flat."""
+def dense_decode_reasons(p, tile: TileConfig) -> list[str]:
+    """Why the Hopper dense kernel does not serve this call (empty: it does). Besides the device and values:
+    pages of whole key blocks and cache rows the TMA can address flat."""
+    reasons = _device_reasons(p.device, tile)
+    if reasons:
+        return reasons
     kv = p.k_cache
     num_blocks, page, h_kv, d = kv.shape
-    flat = kv.stride(3) == 1 and kv.stride(1) == d and kv.stride(0) == page * d
-    ws = warp_specialized_config()
-    ok = (h_kv == 1 and ws is not None and page % ws.block_n == 0 and _sixteen_bit(p.q, kv) and flat
-          and kv.data_ptr() % 16 == 0 and num_blocks * page < 2 ** 31 and p.q.stride(3) == 1
-          and forced_tma() is not False)
-    return _fits(_wanted(p.device, tile), ok)
+    reasons = _value_reasons(p.q, kv, h_kv)
+    block_n = warp_specialized_config().block_n
+    if page % block_n:
+        reasons.append(f"page size {page} is not a multiple of {block_n} keys")
+    if kv.stride(1) != d or kv.stride(0) != page * d or num_blocks * page >= 2 ** 31:
+        reasons.append("cache blocks not packed (block stride > page x row) or over 2^31 rows")
+    if forced_tma() is False:
+        reasons.append("tensor-memory copies turned off (tuning.forced(tma=False))")
+    return reasons
 
 
-def sparse_prefill_fits(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, tile: TileConfig) -> bool:
-    """Sparse prefill: also rows the 16-byte copies can address (aligned base and row stride)."""
-    ok = (kv.shape[1] == 1 and indices.shape[1] == 1 and _sixteen_bit(q, kv) and q.stride(-1) == 1
-          and kv.stride(-1) == 1 and kv.data_ptr() % 16 == 0 and kv.stride(0) * kv.element_size() % 16 == 0
-          and indices.stride(-1) == 1)
-    return _fits(_wanted(q.device, tile), ok)
+def sparse_prefill_reasons(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, tile: TileConfig) -> list[str]:
+    """Why the Hopper prefill kernel does not serve this call (empty: it does). Besides the device and
+    values: rows the 16-byte copies can address."""
+    reasons = _device_reasons(q.device, tile) or _value_reasons(q, kv, kv.shape[1])
+    if not reasons and (kv.stride(0) * kv.element_size() % 16 or indices.stride(-1) != 1):
+        reasons.append("kv rows not 16-byte aligned, or indices not contiguous along topk")
+    return reasons
+
+
+def use(reasons: list[str]) -> bool:
+    """Whether to launch a Hopper kernel; a forced one that cannot run raises with every reason."""
+    if reasons and forced_warp_specialized():
+        raise ValueError("the warp-specialized Hopper kernel was forced, but: " + "; ".join(reasons))
+    return not reasons
+
+
+def describe(reasons: list[str], portable: str) -> str:
+    """``explain()``'s kernel line: which kernel the Triton tier runs, and why not the other."""
+    if not reasons:
+        return "the warp-specialized Hopper kernel (triton_kernels/hopper/)"
+    return f"the portable {portable} kernel; not the Hopper one: " + "; ".join(reasons)
 
 
 def _gl_dtype(t: torch.Tensor):

@@ -78,6 +78,15 @@ def _launch(q: torch.Tensor, main: _Source, extra: Optional[_Source], len_div: i
     launch_fitting(("sparse_mla", tuple(sorted(constexprs.items()))), plan.tile, launch)
 
 
+def kernel_choice(p) -> str:
+    """Which kernel the sparse launchers run for ``p``, and why (``explain()``)."""
+    if p.op != "sparse_prefill":
+        return "the portable sparse kernel (the Hopper kernels cover dense decoding and bf16 prefill)"
+    tile = sparse_config(runtime.device_kind(p.q.device), p.q.shape[1] // p.kv.shape[1], False)
+    q, kv, indices = (_last_dim_contiguous(t) for t in (p.q, p.kv, p.indices))  # as the launcher passes them
+    return hopper.describe(hopper.sparse_prefill_reasons(q, kv, indices, tile), "sparse")
+
+
 def sparse_prefill(p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``flash_mla_sparse_fwd`` on the Triton tier (``p``: :class:`anymla.problems.SparsePrefill`)."""
     q = _last_dim_contiguous(p.q)
@@ -91,7 +100,7 @@ def sparse_prefill(p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out = buffers.empty(s_q, h_q, p.d_v, dtype=q.dtype, device=q.device)
     lse = buffers.empty(s_q, h_q, dtype=torch.float32, device=q.device)
     max_logits = buffers.empty(*lse.shape, dtype=lse.dtype, device=lse.device)
-    if s_q and hopper.sparse_prefill_fits(q, kv, main.indices, tile):
+    if s_q and hopper.use(hopper.sparse_prefill_reasons(q, kv, main.indices, tile)):
         hopper.launch_sparse_prefill(q, kv, main.indices, p.topk_length, p.attn_sink, p.sm_scale, out, lse,
                                      max_logits)
     elif s_q:
