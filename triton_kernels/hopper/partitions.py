@@ -45,6 +45,12 @@ VECTOR_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # 64 indice
 GATHER_ROWS = gl.constexpr(16)  # rows a gather step: few 64-bit addresses live beside the accumulator
 
 
+@gluon.constexpr_function
+def _warpgroup_mma_layout(n):
+    """The accumulator layout of one warpgroup's 64 x ``n`` matrix ops (wgmma, 16-bit inputs)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
 @gluon.jit
 def load_queries(q_ptr, q_row, row_ok, q_smem, qr_smem, D_QK: gl.constexpr):
     """Copy the program's query rows (element offsets ``q_row``) into shared memory, 64 columns at a time."""
@@ -142,8 +148,7 @@ def softmax_partition(q_smem, qr_smem, bufs, bars, sched, r0, s_q, group, scale_
     kv_ready, kv_empty, alpha_ready, p_ready, p_empty, done = bars
     k_desc, r_desc, kv_ptr, stride_row, n_rows, idx_smem, src_row_ptr, page, num_blocks, j0, j1, length = sched
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+    s_layout: gl.constexpr = _warpgroup_mma_layout(BLOCK_N)
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     pos_l: gl.constexpr = gl.SliceLayout(0, s_layout)
     qi = (r0 + gl.arange(0, BLOCK_H, layout=row_l)) // group
@@ -232,8 +237,7 @@ def _output_partition(bufs, bars, sched, out_args, D_QK: gl.constexpr, NUM_STAGE
     kv_ready, kv_empty, alpha_ready, p_ready, p_empty, done = bars
     k_desc, r_desc, kv_ptr, stride_row, n_rows, idx_smem, src_row_ptr, page, num_blocks, j0, j1, length = sched
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, 256, 16])
+    o_layout: gl.constexpr = _warpgroup_mma_layout(256)
     row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     acc = gl.zeros([BLOCK_H, 256], gl.float32, o_layout)
     for j in range(j0, j1):
