@@ -55,11 +55,23 @@ def _prefill_id(c):
     return "-".join(f"{k}{int(v) if isinstance(v, bool) else v}" for k, v in c.items())
 
 
+def _prefill_args(case, device):
+    """``prefill_inputs`` for a case dict (seeded by the case's id)."""
+    c = dict(case)
+    return prefill_inputs(c.pop("s_q"), c.pop("h_q"), c.pop("d_qk"), c.pop("s_kv"), c.pop("topk"), device=device,
+                          seed=zlib.crc32(_prefill_id(case).encode()), **c)
+
+
+def _dense_args(case, device):
+    """``dense_decode_inputs`` for a case dict (seeded by the case's id)."""
+    c = dict(case)
+    return dense_decode_inputs(c.pop("b"), c.pop("s_q"), c.pop("h_q"), c.pop("h_kv"), c.pop("s_k"), device=device,
+                               seed=zlib.crc32(_prefill_id(case).encode()), **c)
+
+
 @pytest.mark.parametrize("case", PREFILL, ids=_prefill_id)
 def test_sparse_prefill(backend, case, tol_scale, device):
-    c = dict(case)
-    args = prefill_inputs(c.pop("s_q"), c.pop("h_q"), c.pop("d_qk"), c.pop("s_kv"), c.pop("topk"), device=device,
-                          seed=zlib.crc32(_prefill_id(case).encode()), **c)
+    args = _prefill_args(case, device)
     compare_outputs("sparse_prefill", anymla.flash_mla_sparse_fwd(**args, backend=backend),
                     anymla.flash_mla_sparse_fwd(**args, backend="reference"), scale=tol_scale)
 
@@ -165,9 +177,7 @@ DENSE_EXTRA = [
 
 @pytest.mark.parametrize("case", _dense_cases() + DENSE_EXTRA, ids=_prefill_id)
 def test_dense_decode(backend, case, tol_scale, device):
-    c = dict(case)
-    args = dense_decode_inputs(c.pop("b"), c.pop("s_q"), c.pop("h_q"), c.pop("h_kv"), c.pop("s_k"), device=device,
-                               seed=zlib.crc32(_prefill_id(case).encode()), **c)
+    args = _dense_args(case, device)
     got, ref = _decode_pair(args, backend)
     compare_outputs("dense_decode", got, ref, scale=tol_scale)
 
@@ -206,9 +216,7 @@ def _warp_specialized_only(backend, device):
 @pytest.mark.parametrize("case", _warp_specialized_cases(), ids=_prefill_id)
 def test_warp_specialized_dense_decode(backend, case, splits, tol_scale, device):
     tuning = _warp_specialized_only(backend, device)
-    c = dict(case)
-    args = dense_decode_inputs(c.pop("b"), c.pop("s_q"), c.pop("h_q"), c.pop("h_kv"), c.pop("s_k"), device=device,
-                               seed=zlib.crc32(_prefill_id(case).encode()), **c)
+    args = _dense_args(case, device)
     with tuning.forced(num_splits=splits, warp_specialized=True):
         got, ref = _decode_pair(args, backend)
     compare_outputs("dense_decode", got, ref, scale=tol_scale)
@@ -229,14 +237,11 @@ WARP_SPECIALIZED_PREFILL += [
 @pytest.mark.parametrize("case", WARP_SPECIALIZED_PREFILL, ids=_prefill_id)
 def test_warp_specialized_sparse_prefill(backend, case, tol_scale, device):
     tuning = _warp_specialized_only(backend, device)
-    c = dict(case)
-    amplified = c.get("amplify", False)
-    args = prefill_inputs(c.pop("s_q"), c.pop("h_q"), c.pop("d_qk"), c.pop("s_kv"), c.pop("topk"), device=device,
-                          seed=zlib.crc32(_prefill_id(case).encode()), **c)
+    args = _prefill_args(case, device)
     with tuning.forced(warp_specialized=True):
         got = anymla.flash_mla_sparse_fwd(**args, backend=backend)
     compare_outputs("sparse_prefill", got, anymla.flash_mla_sparse_fwd(**args, backend="reference"),
-                    amplified=amplified, scale=tol_scale)
+                    amplified=case.get("amplify", False), scale=tol_scale)
 
 
 @pytest.mark.parametrize("skip_scale", (True, False), ids=("block-branch", "row-select"))
