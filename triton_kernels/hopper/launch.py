@@ -1,6 +1,6 @@
 """Host side of the Hopper kernels: whether a call fits them, and their launches.
 
-They serve sm_90 GPUs when Triton has Gluon (3.6+), for 64-row tiles (the compute-bound regime), one kv head
+They serve sm_90 GPUs with Triton 3.6 or 3.7 (Gluon), for 64-row tiles (the compute-bound regime), one kv head
 and 16-bit values; everything else keeps the portable kernels. ``tuning.forced(warp_specialized=...)`` turns
 them off or insists on them (an error when the call does not fit).
 """
