@@ -244,6 +244,33 @@ def test_warp_specialized_sparse_prefill(backend, case, tol_scale, device):
                     amplified=case.get("amplify", False), scale=tol_scale)
 
 
+WARP_SPECIALIZED_DECODE = [dict(fmt=F.V32_FP8, h_q=h, s_k=s_k, topk=k, page=page, b=4, s_q=s_q, sink=extras,
+                                topk_length=extras)
+                           for h in (128, 64, 40) for (s_k, k, page) in ((512, 64, 2), (1024, 576, 61),
+                                                                         (2046, 2048, 64), (650, 100, 53))
+                           for s_q, extras in ((1, False), (2, True))]
+WARP_SPECIALIZED_DECODE += [
+    dict(fmt=F.V32_FP8, h_q=128, s_k=1000, topk=256, page=64, b=74, s_q=3, sink=True),
+    dict(fmt=F.V32_FP8, h_q=64, s_k=300, topk=128, page=16, b=6, s_q=1, zero_len_frac=0.5, sink=True),
+    dict(fmt=F.V32_FP8, h_q=64, s_k=300, topk=64, page=16, b=2, s_q=3, all_invalid=True, sink=True),
+    dict(fmt=F.V32_FP8, h_q=128, s_k=300, topk=192, page=256, b=3, s_q=2, shuffle_invalid=True),  # leading -1
+    dict(fmt=F.V32_FP8, h_q=64, s_k=100, topk=64, page=16, b=2, s_q=1, block_pad=3),  # non-packed blocks
+    dict(fmt=F.V32_FP8, h_q=128, s_k=200, topk=128, page=1, b=2, s_q=2, topk_length=True),
+]
+
+
+@pytest.mark.parametrize("splits", (1, 3, 16), ids=lambda n: f"splits{n}")
+@pytest.mark.parametrize("case", WARP_SPECIALIZED_DECODE, ids=_decode_id)
+def test_warp_specialized_sparse_decode(backend, case, splits, tol_scale, device):
+    tuning = _warp_specialized_only(backend, device)
+    c = dict(case)
+    args = sparse_decode_inputs(c.pop("b"), c.pop("s_q"), c.pop("h_q"), c.pop("s_k"), c.pop("topk"), device=device,
+                                seed=zlib.crc32(_decode_id(case).encode()), **c)
+    with tuning.forced(num_splits=splits, warp_specialized=True):
+        got, ref = _decode_pair(args, backend)
+    compare_outputs("sparse_decode", got, ref, scale=tol_scale)
+
+
 @pytest.mark.parametrize("skip_scale", (True, False), ids=("block-branch", "row-select"))
 def test_both_lazy_rescale_variants(backend, skip_scale, tol_scale, device):
     """The Triton tier ships the lazy rescale as a block-wide branch (interpreter, Ascend) and as a per-row

@@ -59,7 +59,7 @@ def test_hopper_kernels_build_for_sm90_and_fit():
     res = subprocess.run([sys.executable, "-m", "anymla.triton_kernels.compile_report", "--hopper"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    assert res.stdout.count(" fits ") == 2, res.stdout
+    assert res.stdout.count(" fits ") == 3, res.stdout
 
 
 def test_hopper_kernels_are_chosen_only_where_they_were_checked(monkeypatch):
@@ -130,3 +130,29 @@ def test_amd_gpus_get_their_own_tiles_and_no_nvidia_only_paths(monkeypatch):
     assert not runtime.native_fp8.__wrapped__(gpu)
     assert sparse_config("rocm", 128, True) == TileConfig(64, 16, 4, 1)
     assert dense_config("rocm", 16) == TileConfig(16, 32, 4, 2)
+
+
+def _sparse_decode_problem(fmt, **kw):
+    from anymla.problems import SparseDecode
+    from anymla.testing import sparse_decode_inputs
+    a = sparse_decode_inputs(2, 1, 64, 200, 64, fmt=fmt, **kw)
+    return SparseDecode(a["q"], a["k_cache"], a["indices"], 0.1, extra_k_cache=a.get("extra_k_cache"))
+
+
+def test_hopper_sparse_decode_takes_v32_fp8_only(monkeypatch):
+    """The Hopper decoding kernel dequantizes V3.2 FP8 rows; other formats and extra caches are named."""
+    from anymla.kvcache import KVCacheFormat
+    from anymla.triton_kernels import runtime, tuning
+    from anymla.triton_kernels.hopper import launch
+    monkeypatch.setattr(runtime, "device_kind", lambda device: "cuda_sm90")
+    monkeypatch.setattr(runtime, "gluon_hopper", lambda: True)
+    tile = tuning.TileConfig(64, 64, 8, 1)
+    F = KVCacheFormat
+    assert launch.sparse_decode_reasons(_sparse_decode_problem(F.V32_FP8), tile) == []
+    assert launch.sparse_decode_reasons(_sparse_decode_problem(F.V32_FP8, block_pad=1), tile) == []
+    assert "MODEL1_FP8" in launch.sparse_decode_reasons(_sparse_decode_problem(F.MODEL1_FP8), tile)[0]
+    extra = dict(fmt=F.V41_FP4, page=64, s_k=100, topk=64)
+    assert "extra cache" in " ".join(launch.sparse_decode_reasons(_sparse_decode_problem(F.V41_FP8, extra=extra),
+                                                                  tile))
+    assert "fewer than 33" in launch.sparse_decode_reasons(_sparse_decode_problem(F.V32_FP8),
+                                                           tuning.TileConfig(16, 32, 4, 6))[0]

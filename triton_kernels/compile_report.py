@@ -203,6 +203,10 @@ def hopper_reports() -> list:
             ("hopper sparse prefill", kernels.sparse_prefill_hopper_kernel, {**ints, **bf16},
              dict(D_QK=576, HAS_LEN=True, HAS_SINK=True, BLOCK_N=tile.block_n, NUM_STAGES=tile.num_stages,
                   K_LAYOUT=_shared_layout([tile.block_n, 512], rows),
+                  R_LAYOUT=_shared_layout([tile.block_n, 64], rows))),
+            ("hopper sparse decode", kernels.sparse_decode_hopper_kernel, {**ints, **bf16, "kv_ptr": "*u8"},
+             dict(HAS_LEN=True, HAS_SINK=True, SPLIT=True, BLOCK_N=tile.block_n,
+                  K_LAYOUT=_shared_layout([tile.block_n, 512], rows),
                   R_LAYOUT=_shared_layout([tile.block_n, 64], rows)))]
     return [(label, report(kernel, ptrs, consts, 4, ARCHS["90"], GluonASTSource, maxnreg=REGS.value))
             for label, kernel, ptrs, consts in jobs]

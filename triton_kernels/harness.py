@@ -42,12 +42,12 @@ class Config(NamedTuple):
 # hence the BN 32/16 deep configs.
 # The 64-row cases: the warp-specialized Hopper kernels against the portable ones.
 _HOPPER_AB = [Config(warp_specialized=True), Config(warp_specialized=False)]
-_DECODE = [Config(TileConfig(64, bn, 8, st, False)) for bn, st in ((64, 1), (32, 5), (32, 7))]
 SWEEP = {
     "prefill-v32-h128": _HOPPER_AB, "prefill-v4-h64": _HOPPER_AB,
-    "sdecode-v32-b128-sq2-h128": _DECODE,
+    "sdecode-v32-b128-sq2-h128": _HOPPER_AB,
     "sdecode-v41+fp4-b128-h64": [Config(TileConfig(64, 64, 8, 1, False), sp) for sp in (None, 2)],
-    "sdecode-v32-b64-sq1-h64": [Config(TileConfig(64, bn, 8, st, False)) for bn, st in ((64, 1), (64, 2), (32, 3))],
+    "sdecode-v32-b64-sq1-h64": [Config(splits=sp, warp_specialized=True) for sp in (None, 1, 3)] +
+                               [Config(warp_specialized=False)],
     "ddecode-b128-h16-sk8192": [Config(TileConfig(16, bn, 4, st, True), sp, True) for bn, st, sp in
                                 ((32, 6, None), (32, 8, None), (32, 6, 3), (64, 4, None))],
     "ddecode-b128-sq2-h128-sk8192": _HOPPER_AB,

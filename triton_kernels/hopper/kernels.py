@@ -1,4 +1,5 @@
-"""The Hopper (sm_90) kernels, in Gluon: dense decoding over a paged bf16/fp16 cache and sparse prefill.
+"""The Hopper (sm_90) kernels, in Gluon: dense decoding over a paged bf16/fp16 cache, sparse prefill and
+sparse decoding over a V3.2 FP8 cache.
 
 Each entry point maps its program to 64 query rows and a key range, stages the queries in shared memory and
 forks into the partitions of ``partitions.py``. Why these kernels exist next to the portable ones, what was
@@ -8,7 +9,9 @@ measured: ``../dense_decode/NOTES.md`` and ``../sparse_mla/NOTES.md``.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .partitions import BLOCK_H, REGS, VECTOR_LAYOUT, allocate, load_queries, output_hi, output_lo, softmax_partition
+from .dequant import dequant_softmax_partition
+from .partitions import (BLOCK_H, FILL_BY_SOFTMAX, FILL_GATHER, FILL_PAGES, REGS, VECTOR_LAYOUT, allocate,
+                         load_queries, output_hi, output_lo, softmax_partition)
 
 
 @gluon.jit
@@ -52,8 +55,8 @@ def dense_decode_hopper_kernel(
     gl.warp_specialize([
         (softmax_partition, (q_smem, qr_smem, bufs, bars, sched, r0, s_q, group, scale_log2, D_QK, CAUSAL,
                              NUM_STAGES, False)),
-        (output_lo, (bufs, bars, sched, out_args, D_QK, NUM_STAGES, False, SPLIT, HAS_SINK)),
-        (output_hi, (bufs, bars, sched, out_args, D_QK, NUM_STAGES, False, SPLIT, HAS_SINK)),
+        (output_lo, (bufs, bars, sched, out_args, D_QK, NUM_STAGES, FILL_PAGES, SPLIT, HAS_SINK)),
+        (output_hi, (bufs, bars, sched, out_args, D_QK, NUM_STAGES, FILL_PAGES, SPLIT, HAS_SINK)),
     ], [4, 4], [REGS, REGS])
 
 
@@ -84,6 +87,45 @@ def sparse_prefill_hopper_kernel(
     gl.warp_specialize([
         (softmax_partition, (q_smem, qr_smem, bufs, bars, sched, r0, 1, h_q, scale_log2, D_QK, False,
                              NUM_STAGES, True)),
-        (output_lo, (bufs, bars, sched, out_args, D_QK, NUM_STAGES, True, False, HAS_SINK)),
-        (output_hi, (bufs, bars, sched, out_args, D_QK, NUM_STAGES, True, False, HAS_SINK)),
+        (output_lo, (bufs, bars, sched, out_args, D_QK, NUM_STAGES, FILL_GATHER, False, HAS_SINK)),
+        (output_hi, (bufs, bars, sched, out_args, D_QK, NUM_STAGES, FILL_GATHER, False, HAS_SINK)),
+    ], [4, 4], [REGS, REGS])
+
+
+@gluon.jit
+def sparse_decode_hopper_kernel(
+        q_ptr, sq_t, sq_h, kv_ptr, kv_sb, kv_sr, page, n_rows, idx_ptr, si_t, topk, len_ptr, len_div, sink_ptr,
+        out_ptr, so_t, so_h, lse_ptr, sl_t, po_ptr, plse_ptr, h_q, hb_per_token, num_splits, scale_log2,
+        HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
+        K_LAYOUT: gl.constexpr, R_LAYOUT: gl.constexpr):
+    """Program ``(token * head_blocks + head_block, split)``: 64 heads of one decoding token over one split's
+    blocks of the token's ``topk`` slots in a V3.2 FP8 cache (``kv_ptr``: its bytes); positions past
+    ``topk_length[token // len_div]`` are never visited. Writes out and lse, or the split's partial."""
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    t = pid // hb_per_token
+    r0 = (pid % hb_per_token) * BLOCK_H
+    length = topk
+    if HAS_LEN:
+        length = gl.maximum(gl.minimum(topk, gl.load(len_ptr + t // len_div)), 0)
+    n_blocks = gl.cdiv(length, BLOCK_N)
+    per_split = gl.cdiv(n_blocks, num_splits)
+    j0 = split * per_split
+    j1 = gl.minimum(j0 + per_split, n_blocks)
+
+    q_smem, qr_smem, bufs, bars = allocate(q_ptr.dtype.element_ty, BLOCK_N, 576, 2, K_LAYOUT, R_LAYOUT, False)
+    heads = r0 + gl.arange(0, BLOCK_H, layout=VECTOR_LAYOUT)
+    load_queries(q_ptr, t.to(gl.int64) * sq_t + heads * sq_h, heads < h_q, q_smem, qr_smem, 576)
+
+    # The dense epilogue's arguments with one query a program (rows = heads): out [tokens, h_q, 512], lse
+    # [tokens, h_q], partials [tokens, splits, h_q, ...].
+    out_args = (h_q, out_ptr, so_t, 0, so_h, lse_ptr, sl_t, 0, 1, po_ptr, plse_ptr, sink_ptr,
+                t, r0, 1, h_q, h_q, num_splits, split)
+    sched = (0, 0, 0, 0, 0, 0, 0, 0, 0, j0, j1, length)  # the output partitions read the block range only
+    src = (kv_ptr, kv_sb, kv_sr, page, n_rows, idx_ptr + t.to(gl.int64) * si_t, gl.minimum(length, j1 * BLOCK_N),
+           j0, j1)
+    gl.warp_specialize([
+        (dequant_softmax_partition, (q_smem, qr_smem, bufs, bars, src, scale_log2)),
+        (output_lo, (bufs, bars, sched, out_args, 576, 2, FILL_BY_SOFTMAX, SPLIT, HAS_SINK)),
+        (output_hi, (bufs, bars, sched, out_args, 576, 2, FILL_BY_SOFTMAX, SPLIT, HAS_SINK)),
     ], [4, 4], [REGS, REGS])

@@ -43,10 +43,16 @@ ROWS_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 WIDE_ROWS_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))
 VECTOR_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # 64 indices over a warpgroup
 GATHER_ROWS = gl.constexpr(16)  # rows a gather step: few 64-bit addresses live beside the accumulator
+# Who fills the key stages (the output partitions' FILL): the first output warpgroup by TMA (dense pages),
+# each output warpgroup its own columns by gathers (sparse prefill), or the softmax warpgroup (dequantized
+# rows, ``dequant.py``).
+FILL_PAGES = gl.constexpr(0)
+FILL_GATHER = gl.constexpr(1)
+FILL_BY_SOFTMAX = gl.constexpr(2)
 
 
 @gluon.constexpr_function
-def _warpgroup_mma_layout(n):
+def warpgroup_mma_layout(n):
     """The accumulator layout of one warpgroup's 64 x ``n`` matrix ops (wgmma, 16-bit inputs)."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
@@ -66,7 +72,7 @@ def load_queries(q_ptr, q_row, row_ok, q_smem, qr_smem, D_QK: gl.constexpr):
 
 
 @gluon.jit
-def _exp2(x):
+def exp2_approx(x):
     # ex2.approx.ftz: one MUFU instruction; the non-ftz form Triton emits adds range fix-ups around it.
     return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
                                      pack=1)
@@ -148,7 +154,7 @@ def softmax_partition(q_smem, qr_smem, bufs, bars, sched, r0, s_q, group, scale_
     kv_ready, kv_empty, alpha_ready, p_ready, p_empty, done = bars
     k_desc, r_desc, kv_ptr, stride_row, n_rows, idx_smem, src_row_ptr, page, num_blocks, j0, j1, length = sched
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    s_layout: gl.constexpr = _warpgroup_mma_layout(BLOCK_N)
+    s_layout: gl.constexpr = warpgroup_mma_layout(BLOCK_N)
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     pos_l: gl.constexpr = gl.SliceLayout(0, s_layout)
     qi = (r0 + gl.arange(0, BLOCK_H, layout=row_l)) // group
@@ -192,26 +198,50 @@ def softmax_partition(q_smem, qr_smem, bufs, bars, sched, r0, s_q, group, scale_
             s = gl.where(valid, s, NEG)
         elif j >= n_clean:
             s = gl.where(_tail_mask(j, length, last_key, pos_l, BLOCK_N, CAUSAL), s, NEG)
-        m_new = gl.maximum(m_run, gl.max(s, 1) * scale_log2)
-        # Skip-scale, lagging max per row (a select): p = 2^(s - m_use) stays <= 2^threshold.
-        m_next = gl.where(m_new - m_use > RESCALE_THRESHOLD_LOG2, m_new, m_use)
-        alpha = _exp2(m_use - m_next)
-        m_run = m_new
-        m_use = m_next
-        # The rescale factors go out first, so the output warpgroups rescale while P is computed.
-        alpha_smem.index(i % 2).store(alpha)
-        mbarrier.arrive(alpha_ready, count=1)
-        p = _exp2(s * scale_log2 - gl.expand_dims(m_use, 1))
+        m_run, m_use, alpha = publish_alpha(s, i, m_run, m_use, scale_log2, bufs, bars)
+        p = exp2_approx(s * scale_log2 - gl.expand_dims(m_use, 1))
         if SPARSE:
             p = gl.where(valid, p, 0.0)
         elif j >= n_clean:
             p = gl.where(_tail_mask(j, length, last_key, pos_l, BLOCK_N, CAUSAL), p, 0.0)
         l = l * alpha + gl.sum(p, 1)
-        # P's buffer is free once both output warpgroups have multiplied the previous block.
-        mbarrier.wait(p_empty, (i & 1) ^ 1)
-        p_smem.store(p.to(p_smem.dtype))
-        fence_async_shared()
-        mbarrier.arrive(p_ready, count=1)
+        publish_p(p, i, bufs, bars)
+    publish_totals(l, m_use, m_run, bufs, bars)
+
+
+@gluon.jit
+def publish_alpha(s, i, m_run, m_use, scale_log2, bufs, bars):
+    """Block ``i``'s online-softmax step on masked raw logits ``s``: the new running maxima and each row's
+    rescale factor, published to the output warpgroups at once. Returns ``(m_run, m_use, alpha)``."""
+    k_smem, kr_smem, p_smem, alpha_smem, l_smem, m_smem, mrun_smem = bufs
+    kv_ready, kv_empty, alpha_ready, p_ready, p_empty, done = bars
+    m_new = gl.maximum(m_run, gl.max(s, 1) * scale_log2)
+    # Skip-scale, lagging max per row (a select): p = 2^(s - m_use) stays <= 2^threshold.
+    m_next = gl.where(m_new - m_use > RESCALE_THRESHOLD_LOG2, m_new, m_use)
+    alpha = exp2_approx(m_use - m_next)
+    # The rescale factors go out first, so the output warpgroups rescale while P is computed.
+    alpha_smem.index(i % 2).store(alpha)
+    mbarrier.arrive(alpha_ready, count=1)
+    return m_new, m_next, alpha
+
+
+@gluon.jit
+def publish_p(p, i, bufs, bars):
+    """Hand block ``i``'s probabilities to the output warpgroups."""
+    k_smem, kr_smem, p_smem, alpha_smem, l_smem, m_smem, mrun_smem = bufs
+    kv_ready, kv_empty, alpha_ready, p_ready, p_empty, done = bars
+    # P's buffer is free once both output warpgroups have multiplied the previous block.
+    mbarrier.wait(p_empty, (i & 1) ^ 1)
+    p_smem.store(p.to(p_smem.dtype))
+    fence_async_shared()
+    mbarrier.arrive(p_ready, count=1)
+
+
+@gluon.jit
+def publish_totals(l, m_use, m_run, bufs, bars):
+    """The row sums and maxima for the output warpgroups' epilogue, after the last block."""
+    k_smem, kr_smem, p_smem, alpha_smem, l_smem, m_smem, mrun_smem = bufs
+    kv_ready, kv_empty, alpha_ready, p_ready, p_empty, done = bars
     l_smem.store(l)
     m_smem.store(m_use)
     mrun_smem.store(m_run)
@@ -232,12 +262,12 @@ def _zero_keys_beyond(v_smem, first_pos, length):
 
 @gluon.jit
 def _output_partition(bufs, bars, sched, out_args, D_QK: gl.constexpr, NUM_STAGES: gl.constexpr,
-                      SPARSE: gl.constexpr, SPLIT: gl.constexpr, HAS_SINK: gl.constexpr, COL0: gl.constexpr):
+                      FILL: gl.constexpr, SPLIT: gl.constexpr, HAS_SINK: gl.constexpr, COL0: gl.constexpr):
     k_smem, kr_smem, p_smem, alpha_smem, l_smem, m_smem, mrun_smem = bufs
     kv_ready, kv_empty, alpha_ready, p_ready, p_empty, done = bars
     k_desc, r_desc, kv_ptr, stride_row, n_rows, idx_smem, src_row_ptr, page, num_blocks, j0, j1, length = sched
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    o_layout: gl.constexpr = _warpgroup_mma_layout(256)
+    o_layout: gl.constexpr = warpgroup_mma_layout(256)
     row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     acc = gl.zeros([BLOCK_H, 256], gl.float32, o_layout)
     for j in range(j0, j1):
@@ -251,21 +281,23 @@ def _output_partition(bufs, bars, sched, out_args, D_QK: gl.constexpr, NUM_STAGE
         acc = acc * gl.expand_dims(alpha_smem.index(i % 2).load(row_l), 1)
         mbarrier.wait(p_ready, i & 1)
         v = k_smem.index(stage).slice(COL0, 256, dim=1)
-        if SPARSE:
+        if FILL == FILL_GATHER:
             fence_async_shared()  # V was gathered through the generic proxy (invalid rows already zero)
-        elif (j + 1) * BLOCK_N > length:
-            _zero_keys_beyond(v, j * BLOCK_N, length)
+        elif FILL == FILL_PAGES:
+            if (j + 1) * BLOCK_N > length:
+                _zero_keys_beyond(v, j * BLOCK_N, length)
         acc = warpgroup_mma(p_smem, v, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        # Refill the stage the moment it is free: loads are the critical path.
-        if SPARSE:
+        # Refill the stage the moment it is free: loads are the critical path. (FILL_BY_SOFTMAX: the softmax
+        # warpgroup refills it once it may publish the next P, which implies this product is done.)
+        if FILL == FILL_GATHER:
             # Each warpgroup gathers its own columns (the second one the rope tail too): its half is free as
             # soon as its own product is done; S of this block finished before P was published.
             if j + NUM_STAGES < j1:
                 _gather_columns(k_smem, kr_smem, stage, idx_smem.index(stage), kv_ptr, stride_row, COL0, 256,
                                 (COL0 != 0) & (D_QK == 576))
                 _signal_gathered(kv_ready, stage, 1)
-        else:
+        elif FILL == FILL_PAGES:
             mbarrier.arrive(kv_empty.index(stage), count=1)
             if COL0 == 0:
                 if j + NUM_STAGES < j1:
@@ -273,8 +305,8 @@ def _output_partition(bufs, bars, sched, out_args, D_QK: gl.constexpr, NUM_STAGE
                     _load_block(k_desc, r_desc, k_smem, kr_smem, kv_ready, stage, j + NUM_STAGES, src_row_ptr, page,
                                 num_blocks, D_QK)
     mbarrier.wait(done, 0)
-    _store_output(acc, l_smem.load(row_l), m_smem.load(row_l), mrun_smem.load(row_l), out_args, SPARSE, SPLIT,
-                  HAS_SINK, COL0)
+    _store_output(acc, l_smem.load(row_l), m_smem.load(row_l), mrun_smem.load(row_l), out_args,
+                  FILL == FILL_GATHER, SPLIT, HAS_SINK, COL0)
 
 
 @gluon.jit
@@ -330,15 +362,15 @@ def _store_output(acc, l, m_use, m_run, out_args, SPARSE: gl.constexpr, SPLIT: g
 
 
 @gluon.jit
-def output_lo(bufs, bars, sched, out_args, D_QK: gl.constexpr, NUM_STAGES: gl.constexpr, SPARSE: gl.constexpr,
+def output_lo(bufs, bars, sched, out_args, D_QK: gl.constexpr, NUM_STAGES: gl.constexpr, FILL: gl.constexpr,
               SPLIT: gl.constexpr, HAS_SINK: gl.constexpr):
-    _output_partition(bufs, bars, sched, out_args, D_QK, NUM_STAGES, SPARSE, SPLIT, HAS_SINK, 0)
+    _output_partition(bufs, bars, sched, out_args, D_QK, NUM_STAGES, FILL, SPLIT, HAS_SINK, 0)
 
 
 @gluon.jit
-def output_hi(bufs, bars, sched, out_args, D_QK: gl.constexpr, NUM_STAGES: gl.constexpr, SPARSE: gl.constexpr,
+def output_hi(bufs, bars, sched, out_args, D_QK: gl.constexpr, NUM_STAGES: gl.constexpr, FILL: gl.constexpr,
               SPLIT: gl.constexpr, HAS_SINK: gl.constexpr):
-    _output_partition(bufs, bars, sched, out_args, D_QK, NUM_STAGES, SPARSE, SPLIT, HAS_SINK, 256)
+    _output_partition(bufs, bars, sched, out_args, D_QK, NUM_STAGES, FILL, SPLIT, HAS_SINK, 256)
 
 
 @gluon.jit

@@ -81,7 +81,8 @@ def _launch(q: torch.Tensor, main: _Source, extra: Optional[_Source], len_div: i
 def kernel_choice(p) -> str:
     """Which kernel the sparse launchers run for ``p``, and why (``explain()``)."""
     if p.op != "sparse_prefill":
-        return "the portable sparse kernel (the Hopper kernels cover dense decoding and bf16 prefill)"
+        tile = sparse_config(runtime.device_kind(p.device), p.q.shape[2], p.fmt.is_quantized)
+        return hopper.describe(hopper.sparse_decode_reasons(p, tile), "sparse")
     tile = sparse_config(runtime.device_kind(p.q.device), p.q.shape[1] // p.kv.shape[1], False)
     q, kv, indices = (_last_dim_contiguous(t) for t in (p.q, p.kv, p.indices))  # as the launcher passes them
     return hopper.describe(hopper.sparse_prefill_reasons(q, kv, indices, tile), "sparse")
@@ -135,7 +136,11 @@ def sparse_decode(p) -> tuple[torch.Tensor, torch.Tensor]:
     out = buffers.empty(b, s_q, h_q, p.d_v, dtype=q.dtype, device=q.device)
     lse = buffers.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
     o3, l2 = out.view(tokens, h_q, p.d_v), lse.view(tokens, h_q)
-    _launch(q, main, extra, s_q, p.attn_sink, p.sm_scale, o3, l2, None, plan)
+    if hopper.use(hopper.sparse_decode_reasons(p, plan.tile)):
+        hopper.launch_sparse_decode(q, main.kv, main.page, main.stride_block, main.stride_row, main.indices,
+                                    main.length, s_q, p.attn_sink, p.sm_scale, o3, l2, plan)
+    else:
+        _launch(q, main, extra, s_q, p.attn_sink, p.sm_scale, o3, l2, None, plan)
     if plan.num_splits > 1:
         combine(plan, o3, l2, 1, (o3.stride(0), 0, o3.stride(1)), (l2.stride(0), 0, l2.stride(1)), p.attn_sink)
     return out, lse
