@@ -42,6 +42,9 @@ def poisoned_outputs():
     buffers.poison_outputs(True)
     yield
     buffers.poison_outputs(False)
+    if DEVICE.type == "cuda":
+        # Parallel workers share one GPU: a worker that keeps a large case's blocks cached starves the others.
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture

@@ -18,6 +18,9 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .partitions import (BLOCK_H, NEG, ROWS_LAYOUT, exp2_approx, publish_alpha, publish_p, publish_totals,
                          warpgroup_mma_layout)
 
+# Registers a thread of each output warpgroup (their [64, 256] accumulators fit without spills); the softmax
+# warpgroup gets the rest of the register file (184), for the block it holds in flight.
+OUTPUT_REGS = gl.constexpr(160)
 # A block's codes as [rows, 4 scale tiles, 128]: 8 a thread (8-byte loads); the 8 lanes of a store phase
 # write one row's 64 bf16 values, a whole 128-byte swizzle row, so the stores into the stage are conflict-free.
 CODES_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1, 8], [4, 1, 8], [4, 1, 1], [2, 1, 0]))
@@ -25,6 +28,10 @@ SCALES_LAYOUT = gl.constexpr(gl.SliceLayout(2, CODES_LAYOUT))  # [rows, 4]
 SLOTS_LAYOUT = gl.constexpr(gl.SliceLayout(1, SCALES_LAYOUT))  # [rows]
 SCALES_AT = gl.constexpr(512)  # byte offsets in a token's row
 ROPE_AT = gl.constexpr(528)
+# L2 prefetches of a block's rows: [rows, 8] line addresses a thread (a 656-byte row spans at most 7 lines of
+# 128 bytes: offsets 0, 128, ..., 640 and its last byte).
+LINES_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0]))
+PREFETCH_ASM = gl.constexpr("{ .reg .pred p; setp.ge.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }")
 
 
 @gluon.jit
@@ -71,6 +78,17 @@ def _copy_rope(kr_stage, kv_ptr, slots, stride_block, stride_row, page):
 
 
 @gluon.jit
+def _prefetch_rows(kv_ptr, slots, stride_block, stride_row, page):
+    """Ask L2 for the rows of a later block (no registers held until they arrive): the loads that dequantize
+    the block then wait for L2, not for memory. Slot -1 asks for nothing."""
+    slots = gl.expand_dims(gl.convert_layout(slots, gl.SliceLayout(1, LINES_LAYOUT)), 1)
+    lines = gl.expand_dims(gl.minimum(128 * gl.arange(0, 8, layout=gl.SliceLayout(0, LINES_LAYOUT)), 655), 0)
+    addr = kv_ptr + _row_bytes(slots, stride_block, stride_row, page) + lines
+    gl.inline_asm_elementwise(PREFETCH_ASM, "=r,l,r", [addr, slots + 0 * lines], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
 def _store_dequantized(k_stage, codes, scales):
     """``codes * scale`` (e4m3 in fp32, rounded once to 16 bits) into the stage's [rows, 512] latent tile, then
     wait for the rope copies and make both visible to the matrix units."""
@@ -95,11 +113,13 @@ def dequant_softmax_partition(q_smem, qr_smem, bufs, bars, src, scale_log2):
     m_use = gl.full([BLOCK_H], NEG, gl.float32, row_l)
     l = gl.zeros([BLOCK_H], gl.float32, row_l)
     slots = _block_slots(idx_row_ptr, j0, end, n_rows, BLOCK_N)
+    next_slots = _block_slots(idx_row_ptr, j0 + 1, end, n_rows, BLOCK_N)
+    later_slots = _block_slots(idx_row_ptr, j0 + 2, end, n_rows, BLOCK_N)
     if j0 < j1:
         codes, scales = _load_codes(kv_ptr, slots, stride_block, stride_row, page)
         _copy_rope(kr_smem.index(0), kv_ptr, slots, stride_block, stride_row, page)
+        _prefetch_rows(kv_ptr, next_slots, stride_block, stride_row, page)
         _store_dequantized(k_smem.index(0), codes, scales)
-    next_slots = _block_slots(idx_row_ptr, j0 + 1, end, n_rows, BLOCK_N)
     for j in range(j0, j1):
         i = j - j0
         stage = i % 2
@@ -107,12 +127,15 @@ def dequant_softmax_partition(q_smem, qr_smem, bufs, bars, src, scale_log2):
         s = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
         s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute((1, 0)), s, is_async=True)
         valid = gl.expand_dims(gl.convert_layout(slots, pos_l) >= 0, 0)
-        # Block j + 1's rows travel while the matrix units compute S (past the split: nothing is read). The
-        # rope stage is free already: only S of block j - 1 read it.
+        # Block j + 1's rows travel while the matrix units compute S (past the split: nothing is read; they
+        # were asked into L2 a block ago), block j + 2's are asked into L2. The rope stage is free already:
+        # only S of block j - 1 read it.
         codes, scales = _load_codes(kv_ptr, next_slots, stride_block, stride_row, page)
         _copy_rope(kr_smem.index(1 - stage), kv_ptr, next_slots, stride_block, stride_row, page)
+        _prefetch_rows(kv_ptr, later_slots, stride_block, stride_row, page)
         slots = next_slots
-        next_slots = _block_slots(idx_row_ptr, j + 2, end, n_rows, BLOCK_N)
+        next_slots = later_slots
+        later_slots = _block_slots(idx_row_ptr, j + 3, end, n_rows, BLOCK_N)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         # Raw logits: the scale is folded into the exponent; invalid keys get NEG, then p = 0.
         s = gl.where(valid, s, NEG)

@@ -9,7 +9,7 @@ measured: ``../dense_decode/NOTES.md`` and ``../sparse_mla/NOTES.md``.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .dequant import dequant_softmax_partition
+from .dequant import OUTPUT_REGS, dequant_softmax_partition
 from .partitions import (BLOCK_H, FILL_BY_SOFTMAX, FILL_GATHER, FILL_PAGES, REGS, VECTOR_LAYOUT, allocate,
                          load_queries, output_hi, output_lo, softmax_partition)
 
@@ -128,4 +128,4 @@ def sparse_decode_hopper_kernel(
         (dequant_softmax_partition, (q_smem, qr_smem, bufs, bars, src, scale_log2)),
         (output_lo, (bufs, bars, sched, out_args, 576, 2, FILL_BY_SOFTMAX, SPLIT, HAS_SINK)),
         (output_hi, (bufs, bars, sched, out_args, 576, 2, FILL_BY_SOFTMAX, SPLIT, HAS_SINK)),
-    ], [4, 4], [REGS, REGS])
+    ], [4, 4], [OUTPUT_REGS, OUTPUT_REGS])

@@ -34,9 +34,9 @@ NEG = gl.constexpr(-1.0e30)
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
 RESCALE_THRESHOLD_LOG2 = gl.constexpr(6.0 * 1.4426950408889634)  # skip-scale threshold 6, log2 domain
-# Registers a thread: three warpgroups share the 64 K registers of an SM. ptxas compiles every partition
-# within the kernel-wide limit (setmaxnreg cannot lift it), and an output warpgroup's [64, 256] fp32
-# accumulator alone takes 128, so the launch passes maxnreg = REGS and the workers keep it.
+# Registers a thread at launch: three warpgroups share the 64 K registers of an SM (65536 / 384 -> 168). The
+# partitions are then re-balanced (setmaxnreg): the softmax (default) partition gets what the two output
+# partitions leave (their worker_num_regs); an output warpgroup's [64, 256] fp32 accumulator alone takes 128.
 REGS = gl.constexpr(168)
 # Row-major copies of 16-byte pieces (8 columns a thread), for the query load and the gathers.
 ROWS_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
