@@ -1,4 +1,5 @@
-"""The warp partitions of the Hopper kernels (Gluon), shared by dense decoding and sparse prefill.
+"""The warp partitions of the Hopper kernels (Gluon), shared by dense decoding and sparse prefill (and the
+output partitions and softmax steps by sparse decoding, whose softmax partition is ``dequant.py``'s).
 
 One program owns 64 query rows (BLOCK_H: one warpgroup's matrix-op height) and a range of key blocks. Three
 warpgroups synchronize through mbarriers in shared memory:
@@ -7,7 +8,7 @@ warpgroups synchronize through mbarriers in shared memory:
   memory), the mask, the skip-scale online softmax (lagging max per row); publishes each row's rescale factor,
   then P (16-bit).
 - two output warpgroups: own O's columns [0, 256) and [256, 512); ``acc = acc * alpha + P·V`` with the
-  latent tile's first 512 columns as V; they refill key stages and write the result.
+  latent tile's first 512 columns as V; they refill key stages (``FILL``) and write the result.
 
 While the output warpgroups multiply P·V of block j, the softmax warpgroup computes S of block j + 1. Key
 blocks live in a ring of NUM_STAGES stages: dense blocks come by tensor-memory copy (TMA, one page run of
