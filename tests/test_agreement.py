@@ -257,6 +257,19 @@ WARP_SPECIALIZED_DECODE += [
     dict(fmt=F.V32_FP8, h_q=64, s_k=100, topk=64, page=16, b=2, s_q=1, block_pad=3),  # non-packed blocks
     dict(fmt=F.V32_FP8, h_q=128, s_k=200, topk=128, page=1, b=2, s_q=2, topk_length=True),
 ]
+# V4.1 FP8 main caches, alone or with an FP4 or FP8 extra cache (its blocks follow the main cache's)
+WARP_SPECIALIZED_DECODE += [dict(fmt=F.V41_FP8, h_q=h, s_k=s_k, topk=k, page=page, b=4, s_q=s_q, sink=extras,
+                                 topk_length=extras, extra=x)
+                            for h in (128, 40) for (s_k, k, page) in ((512, 64, 2), (1024, 576, 61), (2046, 2048, 64))
+                            for s_q, extras in ((1, False), (2, True))
+                            for x in (None, dict(fmt=F.V41_FP4, page=64, s_k=600, topk=512, topk_length=True),
+                                      dict(fmt=F.V41_FP8, page=5, s_k=150, topk=100))]
+WARP_SPECIALIZED_DECODE += [
+    dict(fmt=F.V41_FP8, h_q=64, s_k=300, topk=64, page=16, b=2, s_q=3, all_invalid=True, sink=True,
+         extra=dict(fmt=F.V41_FP4, page=2, s_k=200, topk=64)),
+    dict(fmt=F.V41_FP8, h_q=64, s_k=300, topk=128, page=16, b=6, s_q=1, zero_len_frac=0.5, block_pad=1,
+         extra=dict(fmt=F.V41_FP4, page=16, s_k=200, topk=100, topk_length=True)),
+]
 
 
 @pytest.mark.parametrize("splits", (1, 3, 16), ids=lambda n: f"splits{n}")

@@ -59,7 +59,7 @@ def test_hopper_kernels_build_for_sm90_and_fit():
     res = subprocess.run([sys.executable, "-m", "anymla.triton_kernels.compile_report", "--hopper"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    assert res.stdout.count(" fits ") == 3, res.stdout
+    assert res.stdout.count(" fits ") == 4, res.stdout
 
 
 def test_hopper_kernels_are_chosen_only_where_they_were_checked(monkeypatch):
@@ -139,8 +139,9 @@ def _sparse_decode_problem(fmt, **kw):
     return SparseDecode(a["q"], a["k_cache"], a["indices"], 0.1, extra_k_cache=a.get("extra_k_cache"))
 
 
-def test_hopper_sparse_decode_takes_v32_fp8_only(monkeypatch):
-    """The Hopper decoding kernel dequantizes V3.2 FP8 rows; other formats and extra caches are named."""
+def test_hopper_sparse_decode_takes_v32_and_v41_caches(monkeypatch):
+    """The Hopper decoding kernel dequantizes V3.2 FP8 caches alone and V4.1 FP8 ones with or without a V4.1
+    extra cache; other formats and pairings are named."""
     from anymla.kvcache import KVCacheFormat
     from anymla.triton_kernels import runtime, tuning
     from anymla.triton_kernels.hopper import launch
@@ -151,8 +152,11 @@ def test_hopper_sparse_decode_takes_v32_fp8_only(monkeypatch):
     assert launch.sparse_decode_reasons(_sparse_decode_problem(F.V32_FP8), tile) == []
     assert launch.sparse_decode_reasons(_sparse_decode_problem(F.V32_FP8, block_pad=1), tile) == []
     assert "MODEL1_FP8" in launch.sparse_decode_reasons(_sparse_decode_problem(F.MODEL1_FP8), tile)[0]
-    extra = dict(fmt=F.V41_FP4, page=64, s_k=100, topk=64)
-    assert "extra cache" in " ".join(launch.sparse_decode_reasons(_sparse_decode_problem(F.V41_FP8, extra=extra),
-                                                                  tile))
+    fp4 = dict(fmt=F.V41_FP4, page=64, s_k=100, topk=64)
+    assert launch.sparse_decode_reasons(_sparse_decode_problem(F.V41_FP8, extra=fp4), tile) == []
+    assert launch.sparse_decode_reasons(_sparse_decode_problem(F.V41_FP8), tile) == []
+    model1 = dict(fmt=F.MODEL1_FP8, page=64, s_k=100, topk=64)
+    assert "MODEL1_FP8 extra" in launch.sparse_decode_reasons(_sparse_decode_problem(F.V41_FP8, extra=model1),
+                                                              tile)[0]
     assert "fewer than 33" in launch.sparse_decode_reasons(_sparse_decode_problem(F.V32_FP8),
                                                            tuning.TileConfig(16, 32, 4, 6))[0]

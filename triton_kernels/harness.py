@@ -45,7 +45,8 @@ _HOPPER_AB = [Config(warp_specialized=True), Config(warp_specialized=False)]
 SWEEP = {
     "prefill-v32-h128": _HOPPER_AB, "prefill-v4-h64": _HOPPER_AB,
     "sdecode-v32-b128-sq2-h128": _HOPPER_AB,
-    "sdecode-v41+fp4-b128-h64": [Config(TileConfig(64, 64, 8, 1, False), sp) for sp in (None, 2)],
+    "sdecode-v41+fp4-b128-h64": [Config(splits=sp, warp_specialized=True) for sp in (None, 2)] +
+                                [Config(warp_specialized=False)],
     "sdecode-v32-b64-sq1-h64": [Config(splits=sp, warp_specialized=True) for sp in (None, 1, 3)] +
                                [Config(warp_specialized=False)],
     "ddecode-b128-h16-sk8192": [Config(TileConfig(16, bn, 4, st, True), sp, True) for bn, st, sp in

@@ -1,13 +1,17 @@
-"""Sparse decoding over a V3.2 FP8 cache on Hopper: a softmax warpgroup that also fills the key stages.
+"""Sparse decoding over quantized caches on Hopper: a softmax warpgroup that also fills the key stages.
 
-A V3.2 token is 656 bytes: 512 e4m3 codes, 4 fp32 scales (one per 128 columns), 64 bf16 rope values. The
-matrix units take bf16, so each gathered row is dequantized into shared memory on its way in. Doing that in
-the output warpgroups (run 22, ``../sparse_mla/NOTES.md``) left them too few registers beside their [64, 256]
-accumulators to keep loads in flight. The softmax warpgroup has room (its S tile is 32 registers a thread):
-while the matrix units compute S of block j it issues the loads of block j + 1's codes and scales into
-registers and copies the rope tails straight into shared memory (``cp.async``); once it has published P of
-block j, which implies that both output warpgroups are done with block j - 1, it writes block j + 1 in bf16
-into that stage. Two stages; the output partitions run as for the other kernels (``FILL_BY_SOFTMAX``).
+The matrix units take bf16, so each gathered row is dequantized into shared memory on its way in. Doing that
+in the output warpgroups (run 22, ``../sparse_mla/NOTES.md``) left them too few registers beside their
+[64, 256] accumulators to keep loads in flight. The softmax warpgroup has room (its S tile is 32 registers a
+thread): while the matrix units compute S of block j it issues the loads of block j + 1's codes and scales
+into registers (asked into L2 a block earlier), and once it has published P of block j, which implies that
+both output warpgroups are done with block j - 1, it writes block j + 1 in bf16 into that stage. Two stages;
+the output partitions run as for the other kernels (``FILL_BY_SOFTMAX``).
+
+Formats (``anymla.kvcache``): V3.2 FP8 (656 bytes: 512 e4m3, 4 fp32 scales a 128 columns, 64 bf16 rope values
+copied straight into shared memory by ``cp.async``), V4.1 FP8 (528 bytes: 512 e4m3, 16 e8m0 scales a 32
+columns) and V4.1 FP4 (288 bytes: 512 e2m1, 32 e4m3 scales a 16 columns). An extra cache is a second source:
+its blocks follow the main cache's under one softmax.
 """
 
 from triton.experimental import gluon
@@ -15,29 +19,42 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from ..common import FMT_V32_FP8, FMT_V41_FP4, FMT_V41_FP8
 from .partitions import (BLOCK_H, NEG, ROWS_LAYOUT, exp2_approx, publish_alpha, publish_p, publish_totals,
                          warpgroup_mma_layout)
 
 # Registers a thread of each output warpgroup (their [64, 256] accumulators fit without spills); the softmax
 # warpgroup gets the rest of the register file (184), for the block it holds in flight.
 OUTPUT_REGS = gl.constexpr(160)
-# A block's codes as [rows, 4 scale tiles, 128]: 8 a thread (8-byte loads); the 8 lanes of a store phase
-# write one row's 64 bf16 values, a whole 128-byte swizzle row, so the stores into the stage are conflict-free.
-CODES_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1, 8], [4, 1, 8], [4, 1, 1], [2, 1, 0]))
-SCALES_LAYOUT = gl.constexpr(gl.SliceLayout(2, CODES_LAYOUT))  # [rows, 4]
-SLOTS_LAYOUT = gl.constexpr(gl.SliceLayout(1, SCALES_LAYOUT))  # [rows]
-SCALES_AT = gl.constexpr(512)  # byte offsets in a token's row
-ROPE_AT = gl.constexpr(528)
-# L2 prefetches of a block's rows: [rows, 8] line addresses a thread (a 656-byte row spans at most 7 lines of
-# 128 bytes: offsets 0, 128, ..., 640 and its last byte).
+# A block's slots [rows], spread as the rows of every format's codes are (see _codes_layout).
+SLOTS_LAYOUT = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, gl.BlockedLayout([1, 1, 8], [4, 1, 8], [4, 1, 1],
+                                                                                [2, 1, 0]))))
+ROPE_AT = gl.constexpr(528)  # V3.2: byte offset of the bf16 rope values in a row
+# L2 prefetches of a block's rows: [rows, 8] line addresses a thread (a row of at most 656 bytes spans at most 7
+# lines of 128 bytes: offsets 0, 128, ..., and its last byte).
 LINES_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0]))
 PREFETCH_ASM = gl.constexpr("{ .reg .pred p; setp.ge.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }")
 
 
+@gluon.constexpr_function
+def _codes_layout(fmt):
+    """A block's codes as [rows, scale tiles, bytes a tile], 8 bytes a thread (8-byte loads). FP8: the 8 lanes
+    of a store phase write one row's 64 bf16 values, a whole 128-byte swizzle row (conflict-free)."""
+    lanes = {FMT_V32_FP8.value: [4, 1, 8], FMT_V41_FP8.value: [4, 2, 4], FMT_V41_FP4.value: [4, 8, 1]}[fmt]
+    return gl.BlockedLayout([1, 1, 8], lanes, [4, 1, 1], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _tiles(fmt):
+    """(scale tiles a row, code bytes a tile, byte offset of the scales, bytes a row)."""
+    return {FMT_V32_FP8.value: (4, 128, 512, 656), FMT_V41_FP8.value: (16, 32, 512, 528),
+            FMT_V41_FP4.value: (32, 8, 256, 288)}[fmt]
+
+
 @gluon.jit
 def _block_slots(idx_row_ptr, j, end, n_rows, BLOCK_N: gl.constexpr):
-    """Cache slots of key block ``j`` of the token's index list: -1 where nothing may be read (positions from
-    ``end`` on, negative indices, indices outside the cache)."""
+    """Cache slots of key block ``j`` of an index list: -1 where nothing may be read (positions from ``end``
+    on, negative indices, indices outside the cache)."""
     pos = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=SLOTS_LAYOUT)
     idx = gl.load(idx_row_ptr + pos, mask=pos < end, other=-1)
     return gl.where((idx >= 0) & (idx < n_rows), idx, -1)
@@ -51,24 +68,62 @@ def _row_bytes(slots, stride_block, stride_row, page):
 
 
 @gluon.jit
-def _load_codes(kv_ptr, slots, stride_block, stride_row, page):
-    """Issue the loads of a block's codes ``[rows, 4, 128]`` (uint8) and scales ``[rows, 4]``; rows of slot -1
-    read nothing and come out as zeros."""
+def _load_codes(kv_ptr, slots, stride_block, stride_row, page, FMT: gl.constexpr):
+    """Issue the loads of a block's codes ``[rows, tiles, bytes]`` (uint8) and its scales ``[rows, tiles]``
+    (fp32 for V3.2, their bytes otherwise); rows of slot -1 read nothing and come out as zeros."""
+    layout: gl.constexpr = _codes_layout(FMT)
+    n_tiles: gl.constexpr = _tiles(FMT)[0]
+    tile_bytes: gl.constexpr = _tiles(FMT)[1]
+    scales_at: gl.constexpr = _tiles(FMT)[2]
+    scales_l: gl.constexpr = gl.SliceLayout(2, layout)
+    slots = gl.convert_layout(slots, gl.SliceLayout(1, scales_l))
     base = gl.expand_dims(_row_bytes(slots, stride_block, stride_row, page), 1)
-    tiles = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, SCALES_LAYOUT)), 0)
+    tiles = gl.expand_dims(gl.arange(0, n_tiles, layout=gl.SliceLayout(0, scales_l)), 0)
     ok = gl.expand_dims(slots >= 0, 1) & (tiles >= 0)
-    scales = gl.load((kv_ptr + base + SCALES_AT + 4 * tiles).to(gl.pointer_type(gl.float32)), mask=ok, other=0.0)
-    cols = gl.expand_dims(gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, CODES_LAYOUT))),
+    if FMT == FMT_V32_FP8:
+        scales = gl.load((kv_ptr + base + scales_at + 4 * tiles).to(gl.pointer_type(gl.float32)), mask=ok,
+                         other=0.0)
+    else:
+        scales = gl.load(kv_ptr + base + scales_at + tiles, mask=ok, other=0)
+    cols = gl.expand_dims(gl.expand_dims(gl.arange(0, tile_bytes, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout))),
                                          0), 1)
-    codes = gl.load(kv_ptr + gl.expand_dims(base + 128 * tiles, 2) + cols, mask=gl.expand_dims(ok, 2) & (cols >= 0),
-                    other=0)
+    codes = gl.load(kv_ptr + gl.expand_dims(base + tile_bytes * tiles, 2) + cols,
+                    mask=gl.expand_dims(ok, 2) & (cols >= 0), other=0)
     return codes, scales
 
 
 @gluon.jit
+def _e2m1(code):
+    """4-bit e2m1 codes (in uint8) -> fp32: placed as fp16 bits, then a 2^14 bias correction."""
+    c = code.to(gl.uint16)
+    return (((c & 8) << 12) | ((c & 7) << 9)).to(gl.float16, bitcast=True).to(gl.float32) * 16384.0
+
+
+@gluon.jit
+def _store_dequantized(k_stage, codes, scales, FMT: gl.constexpr):
+    """``code * scale`` (in fp32, rounded once to 16 bits) into the stage's [rows, 512] latent tile, then wait
+    for the stage's rope copies (V3.2) and make everything visible to the matrix units."""
+    if FMT == FMT_V32_FP8:
+        s = scales
+    elif FMT == FMT_V41_FP8:
+        s = (scales.to(gl.int32) << 23).to(gl.float32, bitcast=True)  # e8m0
+    else:
+        s = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+    s = gl.expand_dims(s, 2)
+    if FMT == FMT_V41_FP4:
+        # element 2i sits in the low nibble of byte i
+        values = gl.join(_e2m1(codes & 0xF) * s, _e2m1(codes >> 4) * s)
+    else:
+        values = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * s
+    k_stage.store(gl.reshape(values.to(k_stage.dtype), [k_stage.shape[0], 512]))
+    async_copy.wait_group(0)
+    fence_async_shared()
+
+
+@gluon.jit
 def _copy_rope(kr_stage, kv_ptr, slots, stride_block, stride_row, page):
-    """Start the copies of a block's bf16 rope tails into ``kr_stage`` (16 bytes a piece); rows of slot -1 are
-    zero-filled and read nothing."""
+    """V3.2: start the copies of a block's bf16 rope tails into ``kr_stage`` (16 bytes a piece); rows of slot -1
+    are zero-filled and read nothing."""
     slots = gl.convert_layout(slots, gl.SliceLayout(1, ROWS_LAYOUT))
     base = gl.expand_dims(_row_bytes(slots, stride_block, stride_row, page) + ROPE_AT, 1)
     cols = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, ROWS_LAYOUT)), 0)
@@ -78,61 +133,57 @@ def _copy_rope(kr_stage, kv_ptr, slots, stride_block, stride_row, page):
 
 
 @gluon.jit
-def _prefetch_rows(kv_ptr, slots, stride_block, stride_row, page):
+def _prefetch_rows(kv_ptr, slots, stride_block, stride_row, page, FMT: gl.constexpr):
     """Ask L2 for the rows of a later block (no registers held until they arrive): the loads that dequantize
     the block then wait for L2, not for memory. Slot -1 asks for nothing."""
+    row_bytes: gl.constexpr = _tiles(FMT)[3]
     slots = gl.expand_dims(gl.convert_layout(slots, gl.SliceLayout(1, LINES_LAYOUT)), 1)
-    lines = gl.expand_dims(gl.minimum(128 * gl.arange(0, 8, layout=gl.SliceLayout(0, LINES_LAYOUT)), 655), 0)
+    lines = gl.expand_dims(gl.minimum(128 * gl.arange(0, 8, layout=gl.SliceLayout(0, LINES_LAYOUT)), row_bytes - 1), 0)
     addr = kv_ptr + _row_bytes(slots, stride_block, stride_row, page) + lines
     gl.inline_asm_elementwise(PREFETCH_ASM, "=r,l,r", [addr, slots + 0 * lines], dtype=gl.int32, is_pure=False,
                               pack=1)
 
 
 @gluon.jit
-def _store_dequantized(k_stage, codes, scales):
-    """``codes * scale`` (e4m3 in fp32, rounded once to 16 bits) into the stage's [rows, 512] latent tile, then
-    wait for the rope copies and make both visible to the matrix units."""
-    values = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scales, 2)
-    k_stage.store(gl.reshape(values.to(k_stage.dtype), [k_stage.shape[0], 512]))
-    async_copy.wait_group(0)
-    fence_async_shared()
+def _fetch(k_smem, kr_smem, stage, slots, later_slots, src, FMT: gl.constexpr):
+    """Issue the loads of the block ``slots`` name (its rope copies into ``stage``) and ask L2 for the block
+    after it; returns the codes and scales for ``_store_dequantized``."""
+    kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j0, j1 = src
+    codes, scales = _load_codes(kv_ptr, slots, stride_block, stride_row, page, FMT)
+    if FMT == FMT_V32_FP8:
+        _copy_rope(kr_smem.index(stage), kv_ptr, slots, stride_block, stride_row, page)
+    _prefetch_rows(kv_ptr, later_slots, stride_block, stride_row, page, FMT)
+    return codes, scales
 
 
 @gluon.jit
-def dequant_softmax_partition(q_smem, qr_smem, bufs, bars, src, scale_log2):
-    """``src``: ``(kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j0, j1)``: the cache's
-    bytes and paging, the token's index list and the split's key blocks ``[j0, j1)`` (positions from ``end``
-    on are not read)."""
+def _attend_source(q_smem, qr_smem, bufs, bars, src, i0, m_run, m_use, l, scale_log2, D_QK: gl.constexpr,
+                   FMT: gl.constexpr):
+    """Key blocks ``[j0, j1)`` of one source, the program's blocks ``i0, i0 + 1, ...`` (stage ``i % 2``):
+    the online softmax continues from ``(m_run, m_use, l)``. Returns them and the next block number. The
+    stage of block ``i0`` is free: only block ``i0 - 2`` used it, and P of ``i0 - 1`` went out."""
     k_smem, kr_smem, p_smem, alpha_smem, l_smem, m_smem, mrun_smem = bufs
     kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j0, j1 = src
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     s_layout: gl.constexpr = warpgroup_mma_layout(BLOCK_N)
-    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     pos_l: gl.constexpr = gl.SliceLayout(0, s_layout)
-    m_run = gl.full([BLOCK_H], NEG, gl.float32, row_l)
-    m_use = gl.full([BLOCK_H], NEG, gl.float32, row_l)
-    l = gl.zeros([BLOCK_H], gl.float32, row_l)
     slots = _block_slots(idx_row_ptr, j0, end, n_rows, BLOCK_N)
     next_slots = _block_slots(idx_row_ptr, j0 + 1, end, n_rows, BLOCK_N)
     later_slots = _block_slots(idx_row_ptr, j0 + 2, end, n_rows, BLOCK_N)
     if j0 < j1:
-        codes, scales = _load_codes(kv_ptr, slots, stride_block, stride_row, page)
-        _copy_rope(kr_smem.index(0), kv_ptr, slots, stride_block, stride_row, page)
-        _prefetch_rows(kv_ptr, next_slots, stride_block, stride_row, page)
-        _store_dequantized(k_smem.index(0), codes, scales)
+        codes, scales = _fetch(k_smem, kr_smem, i0 % 2, slots, next_slots, src, FMT)
+        _store_dequantized(k_smem.index(i0 % 2), codes, scales, FMT)
     for j in range(j0, j1):
-        i = j - j0
+        i = i0 + j - j0
         stage = i % 2
         s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
         s = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
-        s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute((1, 0)), s, is_async=True)
+        if D_QK == 576:
+            s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute((1, 0)), s, is_async=True)
         valid = gl.expand_dims(gl.convert_layout(slots, pos_l) >= 0, 0)
-        # Block j + 1's rows travel while the matrix units compute S (past the split: nothing is read; they
-        # were asked into L2 a block ago), block j + 2's are asked into L2. The rope stage is free already:
-        # only S of block j - 1 read it.
-        codes, scales = _load_codes(kv_ptr, next_slots, stride_block, stride_row, page)
-        _copy_rope(kr_smem.index(1 - stage), kv_ptr, next_slots, stride_block, stride_row, page)
-        _prefetch_rows(kv_ptr, later_slots, stride_block, stride_row, page)
+        # Block j + 1's rows travel while the matrix units compute S (past the range: nothing is read); those
+        # of block j + 2 are asked into L2. The rope stage is free already: only S of block j - 1 read it.
+        codes, scales = _fetch(k_smem, kr_smem, 1 - stage, next_slots, later_slots, src, FMT)
         slots = next_slots
         next_slots = later_slots
         later_slots = _block_slots(idx_row_ptr, j + 3, end, n_rows, BLOCK_N)
@@ -144,5 +195,24 @@ def dequant_softmax_partition(q_smem, qr_smem, bufs, bars, src, scale_log2):
         l = l * alpha + gl.sum(p, 1)
         publish_p(p, i, bufs, bars)
         # P of block j went out, so both output warpgroups are done with block j - 1: its stage takes j + 1.
-        _store_dequantized(k_smem.index(1 - stage), codes, scales)
+        _store_dequantized(k_smem.index(1 - stage), codes, scales, FMT)
+    return m_run, m_use, l, i0 + gl.maximum(j1 - j0, 0)
+
+
+@gluon.jit
+def dequant_softmax_partition(q_smem, qr_smem, bufs, bars, main, extra, scale_log2, D_QK: gl.constexpr,
+                              FMT: gl.constexpr, X_FMT: gl.constexpr, HAS_X: gl.constexpr):
+    """``main``, ``extra``: ``(kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j0, j1)``: a
+    cache's bytes and paging, the token's index list into it and the split's key blocks ``[j0, j1)`` of that
+    list (positions from ``end`` on are not read). The extra cache's blocks follow the main cache's."""
+    s_layout: gl.constexpr = warpgroup_mma_layout(bufs[0].shape[1])
+    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    m_run = gl.full([BLOCK_H], NEG, gl.float32, row_l)
+    m_use = gl.full([BLOCK_H], NEG, gl.float32, row_l)
+    l = gl.zeros([BLOCK_H], gl.float32, row_l)
+    m_run, m_use, l, i = _attend_source(q_smem, qr_smem, bufs, bars, main, 0, m_run, m_use, l, scale_log2, D_QK,
+                                        FMT)
+    if HAS_X:
+        m_run, m_use, l, i = _attend_source(q_smem, qr_smem, bufs, bars, extra, i, m_run, m_use, l, scale_log2,
+                                            D_QK, X_FMT)
     publish_totals(l, m_use, m_run, bufs, bars)

@@ -94,38 +94,52 @@ def sparse_prefill_hopper_kernel(
 
 @gluon.jit
 def sparse_decode_hopper_kernel(
-        q_ptr, sq_t, sq_h, kv_ptr, kv_sb, kv_sr, page, n_rows, idx_ptr, si_t, topk, len_ptr, len_div, sink_ptr,
+        q_ptr, sq_t, sq_h, kv_ptr, kv_sb, kv_sr, page, n_rows, idx_ptr, si_t, topk, len_ptr,
+        x_kv_ptr, x_sb, x_sr, x_page, x_rows, x_idx_ptr, sxi_t, x_topk, x_len_ptr, len_div, sink_ptr,
         out_ptr, so_t, so_h, lse_ptr, sl_t, po_ptr, plse_ptr, h_q, hb_per_token, num_splits, scale_log2,
-        HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
+        D_QK: gl.constexpr, FMT: gl.constexpr, X_FMT: gl.constexpr, HAS_X: gl.constexpr, HAS_LEN: gl.constexpr,
+        HAS_X_LEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
         K_LAYOUT: gl.constexpr, R_LAYOUT: gl.constexpr):
     """Program ``(token * head_blocks + head_block, split)``: 64 heads of one decoding token over one split's
-    blocks of the token's ``topk`` slots in a V3.2 FP8 cache (``kv_ptr``: its bytes); positions past
-    ``topk_length[token // len_div]`` are never visited. Writes out and lse, or the split's partial."""
+    key blocks: the token's ``topk`` slots in the quantized cache ``kv_ptr`` (bytes), then its ``x_topk``
+    slots in the extra cache; positions past ``topk_length[token // len_div]`` (and the extra one) are never
+    visited. Writes out and lse, or the split's partial."""
     pid = gl.program_id(0)
     split = gl.program_id(1)
     t = pid // hb_per_token
     r0 = (pid % hb_per_token) * BLOCK_H
-    length = topk
+    n_main = topk
     if HAS_LEN:
-        length = gl.maximum(gl.minimum(topk, gl.load(len_ptr + t // len_div)), 0)
-    n_blocks = gl.cdiv(length, BLOCK_N)
-    per_split = gl.cdiv(n_blocks, num_splits)
-    j0 = split * per_split
-    j1 = gl.minimum(j0 + per_split, n_blocks)
+        n_main = gl.maximum(gl.minimum(topk, gl.load(len_ptr + t // len_div)), 0)
+    nb_main = gl.cdiv(n_main, BLOCK_N)
+    n_x = 0
+    if HAS_X_LEN:
+        n_x = gl.maximum(gl.minimum(x_topk, gl.load(x_len_ptr + t // len_div)), 0)
+    elif HAS_X:
+        n_x = x_topk
+    total = nb_main + gl.cdiv(n_x, BLOCK_N)
+    per_split = gl.cdiv(total, num_splits)
+    b0 = split * per_split
+    b1 = gl.minimum(b0 + per_split, total)
 
-    q_smem, qr_smem, bufs, bars = allocate(q_ptr.dtype.element_ty, BLOCK_N, 576, 2, K_LAYOUT, R_LAYOUT, False)
+    q_smem, qr_smem, bufs, bars = allocate(q_ptr.dtype.element_ty, BLOCK_N, D_QK, 2, K_LAYOUT, R_LAYOUT, False)
     heads = r0 + gl.arange(0, BLOCK_H, layout=VECTOR_LAYOUT)
-    load_queries(q_ptr, t.to(gl.int64) * sq_t + heads * sq_h, heads < h_q, q_smem, qr_smem, 576)
+    load_queries(q_ptr, t.to(gl.int64) * sq_t + heads * sq_h, heads < h_q, q_smem, qr_smem, D_QK)
 
     # The dense epilogue's arguments with one query a program (rows = heads): out [tokens, h_q, 512], lse
     # [tokens, h_q], partials [tokens, splits, h_q, ...].
     out_args = (h_q, out_ptr, so_t, 0, so_h, lse_ptr, sl_t, 0, 1, po_ptr, plse_ptr, sink_ptr,
                 t, r0, 1, h_q, h_q, num_splits, split)
-    sched = (0, 0, 0, 0, 0, 0, 0, 0, 0, j0, j1, length)  # the output partitions read the block range only
-    src = (kv_ptr, kv_sb, kv_sr, page, n_rows, idx_ptr + t.to(gl.int64) * si_t, gl.minimum(length, j1 * BLOCK_N),
-           j0, j1)
+    sched = (0, 0, 0, 0, 0, 0, 0, 0, 0, b0, b1, 0)  # the output partitions read the block range only
+    t64 = t.to(gl.int64)
+    m1 = gl.minimum(b1, nb_main)
+    main = (kv_ptr, kv_sb, kv_sr, page, n_rows, idx_ptr + t64 * si_t, gl.minimum(n_main, m1 * BLOCK_N), b0, m1)
+    x0 = gl.maximum(b0, nb_main) - nb_main
+    x1 = b1 - nb_main
+    extra = (x_kv_ptr, x_sb, x_sr, x_page, x_rows, x_idx_ptr + t64 * sxi_t, gl.minimum(n_x, x1 * BLOCK_N), x0, x1)
     gl.warp_specialize([
-        (dequant_softmax_partition, (q_smem, qr_smem, bufs, bars, src, scale_log2)),
-        (output_lo, (bufs, bars, sched, out_args, 576, 2, FILL_BY_SOFTMAX, SPLIT, HAS_SINK)),
-        (output_hi, (bufs, bars, sched, out_args, 576, 2, FILL_BY_SOFTMAX, SPLIT, HAS_SINK)),
+        (dequant_softmax_partition, (q_smem, qr_smem, bufs, bars, main, extra, scale_log2, D_QK, FMT, X_FMT,
+                                     HAS_X)),
+        (output_lo, (bufs, bars, sched, out_args, D_QK, 2, FILL_BY_SOFTMAX, SPLIT, HAS_SINK)),
+        (output_hi, (bufs, bars, sched, out_args, D_QK, 2, FILL_BY_SOFTMAX, SPLIT, HAS_SINK)),
     ], [4, 4], [OUTPUT_REGS, OUTPUT_REGS])

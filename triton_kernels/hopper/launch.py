@@ -1,8 +1,9 @@
 """Host side of the Hopper kernels: whether a call fits them, and their launches.
 
 They serve sm_90 GPUs with Triton 3.6 or 3.7 (Gluon), for 64-row tiles (the compute-bound regime), one kv head
-and 16-bit values (sparse decoding: V3.2 FP8 caches); everything else keeps the portable kernels. ``tuning.forced(warp_specialized=...)`` turns
-them off or insists on them (an error when the call does not fit).
+and 16-bit values (sparse decoding: V3.2 and V4.1 quantized caches); everything else keeps the portable
+kernels. ``tuning.forced(warp_specialized=...)`` turns them off or insists on them (an error when the call does
+not fit).
 """
 
 from __future__ import annotations
@@ -76,19 +77,25 @@ def sparse_prefill_reasons(q: torch.Tensor, kv: torch.Tensor, indices: torch.Ten
 
 def sparse_decode_reasons(p, tile: TileConfig) -> list[str]:
     """Why the Hopper decoding kernel does not serve this sparse ``flash_mla_with_kvcache`` call (empty: it
-    does). Besides the device: a V3.2 FP8 cache alone, bf16 queries, rows the 16-byte copies can address."""
+    does). Besides the device: a V3.2 FP8 cache alone, or a V4.1 FP8 cache with or without a V4.1 (FP8 or FP4)
+    extra cache; bf16 queries; rows the 16-byte copies can address."""
     reasons = _device_reasons(p.device, tile)
     if reasons:
         return reasons
-    if p.fmt is not KVCacheFormat.V32_FP8:
-        reasons.append(f"a {p.fmt.name} cache: it dequantizes V32_FP8 only")
-    if p.extra_k_cache is not None:
-        reasons.append("an extra cache: it reads one cache")
+    F = KVCacheFormat
+    if p.fmt is F.V32_FP8 and p.extra_k_cache is not None:
+        reasons.append("a V32_FP8 cache with an extra cache: it reads a V3.2 cache alone")
+    elif p.fmt not in (F.V32_FP8, F.V41_FP8):
+        reasons.append(f"a {p.fmt.name} cache: it dequantizes V32_FP8 and V41_FP8 main caches")
+    if p.extra_k_cache is not None and p.extra_fmt not in (F.V41_FP8, F.V41_FP4):
+        reasons.append(f"a {p.extra_fmt.name} extra cache: it dequantizes V41_FP8 and V41_FP4 extra caches")
     if p.q.dtype != torch.bfloat16 or p.q.stride(-1) != 1:
         reasons.append(f"q {p.q.dtype}: it takes bf16, contiguous along its last dimension")
-    kv = p.k_cache
-    if kv.data_ptr() % 16 or (kv.stride(0) * kv.element_size()) % 16 or (kv.stride(1) * kv.element_size()) % 16:
-        reasons.append("cache blocks or rows not 16-byte aligned")
+    for kv in (p.k_cache, p.extra_k_cache):
+        if kv is not None and (kv.data_ptr() % 16 or (kv.stride(0) * kv.element_size()) % 16
+                               or (kv.stride(1) * kv.element_size()) % 16):
+            reasons.append("cache blocks or rows not 16-byte aligned")
+            break
     return reasons
 
 
@@ -152,20 +159,23 @@ def launch_sparse_prefill(q, kv, indices, topk_length, sink, sm_scale: float, ou
         R_LAYOUT=_shared_layout([tile.block_n, 64], kv), num_warps=4, maxnreg=REGS.value)
 
 
-def launch_sparse_decode(q, kv, page: int, stride_block: int, stride_row: int, indices, topk_length, len_div: int,
-                         sink, sm_scale: float, out, lse, plan: SplitPlan) -> None:
-    """``q [tokens, h_q, 576]`` over the slots ``indices [tokens, 1, topk]`` of a V3.2 FP8 cache given as bytes
-    ``kv [num_blocks, page, ...]`` (strides in bytes); ``topk_length[token // len_div]``; out ``[tokens, h_q,
-    512]`` and lse ``[tokens, h_q]``, or the plan's partials when it splits."""
+def launch_sparse_decode(q, main, extra, len_div: int, sink, sm_scale: float, out, lse, plan: SplitPlan) -> None:
+    """``q [tokens, h_q, d_qk]`` over the slots ``main.indices [tokens, 1, topk]`` of a quantized cache and, if
+    given, those of an extra cache (``sparse_mla.launch._Source``: bytes, paging, indices, lengths indexed by
+    ``token // len_div``); out ``[tokens, h_q, 512]`` and lse ``[tokens, h_q]``, or the plan's partials."""
     from .kernels import BLOCK_H, REGS, sparse_decode_hopper_kernel
-    tokens, h_q, _ = q.shape
+    tokens, h_q, d = q.shape
+    x = extra or main
     tile = warp_specialized_config()
     hb = triton.cdiv(h_q, BLOCK_H.value)
-    idx = indices.reshape(tokens, indices.shape[-1])
+    idx, x_idx = (s.indices.reshape(tokens, s.indices.shape[-1]) for s in (main, x))
     sparse_decode_hopper_kernel[(tokens * hb, plan.num_splits)](
-        q, q.stride(0), q.stride(1), kv, stride_block, stride_row, page, kv.shape[0] * page, idx, idx.stride(0),
-        idx.shape[-1], topk_length, len_div, sink, out, out.stride(0), out.stride(1), lse, lse.stride(0),
-        plan.partial_out, plan.partial_lse, h_q, hb, plan.num_splits, sm_scale * math.log2(math.e),
-        HAS_LEN=topk_length is not None, HAS_SINK=sink is not None, SPLIT=plan.num_splits > 1, BLOCK_N=tile.block_n,
-        K_LAYOUT=_shared_layout([tile.block_n, 512], q), R_LAYOUT=_shared_layout([tile.block_n, 64], q),
-        num_warps=4, maxnreg=REGS.value)
+        q, q.stride(0), q.stride(1), main.kv, main.stride_block, main.stride_row, main.page, main.rows, idx,
+        idx.stride(0), idx.shape[-1], main.length,
+        x.kv, x.stride_block, x.stride_row, x.page, x.rows, x_idx, x_idx.stride(0), x_idx.shape[-1], x.length,
+        len_div, sink, out, out.stride(0), out.stride(1), lse, lse.stride(0), plan.partial_out, plan.partial_lse,
+        h_q, hb, plan.num_splits, sm_scale * math.log2(math.e),
+        D_QK=d, FMT=main.code, X_FMT=x.code, HAS_X=extra is not None, HAS_LEN=main.length is not None,
+        HAS_X_LEN=extra is not None and extra.length is not None, HAS_SINK=sink is not None,
+        SPLIT=plan.num_splits > 1, BLOCK_N=tile.block_n, K_LAYOUT=_shared_layout([tile.block_n, 512], q),
+        R_LAYOUT=_shared_layout([tile.block_n, 64], q), num_warps=4, maxnreg=REGS.value)

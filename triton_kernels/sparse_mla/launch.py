@@ -37,6 +37,11 @@ class _Source:
     indices: torch.Tensor  # [tokens, groups, topk], last dim contiguous
     length: Optional[torch.Tensor]
 
+    @property
+    def code(self) -> int:
+        """The format's code in the kernels (``common.FMT_*``)."""
+        return _FMT_CODE[self.fmt]
+
     @classmethod
     def paged(cls, cache: torch.Tensor, fmt: KVCacheFormat, indices: torch.Tensor, length) -> "_Source":
         kv = cache if fmt is KVCacheFormat.BF16 else cache.view(torch.uint8)
@@ -55,7 +60,7 @@ def _launch(q: torch.Tensor, main: _Source, extra: Optional[_Source], len_div: i
     groups = main.indices.shape[1]
     per_group = heads // groups
     x = extra or main
-    constexprs = dict(D_QK=d_qk, FMT=_FMT_CODE[main.fmt], X_FMT=_FMT_CODE[x.fmt], HAS_X=extra is not None,
+    constexprs = dict(D_QK=d_qk, FMT=main.code, X_FMT=x.code, HAS_X=extra is not None,
                       HAS_LEN=main.length is not None, HAS_X_LEN=extra is not None and extra.length is not None,
                       HAS_SINK=sink is not None, WRITE_MAX=max_logits is not None, SPLIT=plan.num_splits > 1,
                       NATIVE_FP8=runtime.native_fp8(q.device), PORTABLE=runtime.portable_loads(q.device),
@@ -137,8 +142,7 @@ def sparse_decode(p) -> tuple[torch.Tensor, torch.Tensor]:
     lse = buffers.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
     o3, l2 = out.view(tokens, h_q, p.d_v), lse.view(tokens, h_q)
     if hopper.use(hopper.sparse_decode_reasons(p, plan.tile)):
-        hopper.launch_sparse_decode(q, main.kv, main.page, main.stride_block, main.stride_row, main.indices,
-                                    main.length, s_q, p.attn_sink, p.sm_scale, o3, l2, plan)
+        hopper.launch_sparse_decode(q, main, extra, s_q, p.attn_sink, p.sm_scale, o3, l2, plan)
     else:
         _launch(q, main, extra, s_q, p.attn_sink, p.sm_scale, o3, l2, None, plan)
     if plan.num_splits > 1:
