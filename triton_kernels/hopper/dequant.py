@@ -26,9 +26,6 @@ from .partitions import (BLOCK_H, NEG, ROWS_LAYOUT, exp2_approx, publish_alpha, 
 # Registers a thread of each output warpgroup (their [64, 256] accumulators fit without spills); the softmax
 # warpgroup gets the rest of the register file (184), for the block it holds in flight.
 OUTPUT_REGS = gl.constexpr(160)
-# A block's slots [rows], spread as the rows of every format's codes are (see _codes_layout).
-SLOTS_LAYOUT = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, gl.BlockedLayout([1, 1, 8], [4, 1, 8], [4, 1, 1],
-                                                                                [2, 1, 0]))))
 ROPE_AT = gl.constexpr(528)  # V3.2: byte offset of the bf16 rope values in a row
 # L2 prefetches of a block's rows: [rows, 8] line addresses a thread (a row of at most 656 bytes spans at most 7
 # lines of 128 bytes: offsets 0, 128, ..., and its last byte).
@@ -51,11 +48,17 @@ def _tiles(fmt):
             FMT_V41_FP4.value: (32, 8, 256, 288)}[fmt]
 
 
+@gluon.constexpr_function
+def _slots_layout(fmt):
+    """A block's slots [rows], spread as the rows of its codes are."""
+    return gl.SliceLayout(1, gl.SliceLayout(2, _codes_layout(fmt)))
+
+
 @gluon.jit
-def _block_slots(idx_row_ptr, j, end, n_rows, BLOCK_N: gl.constexpr):
+def _block_slots(idx_row_ptr, j, end, n_rows, BLOCK_N: gl.constexpr, FMT: gl.constexpr):
     """Cache slots of key block ``j`` of an index list: -1 where nothing may be read (positions from ``end``
     on, negative indices, indices outside the cache)."""
-    pos = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=SLOTS_LAYOUT)
+    pos = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=_slots_layout(FMT))
     idx = gl.load(idx_row_ptr + pos, mask=pos < end, other=-1)
     return gl.where((idx >= 0) & (idx < n_rows), idx, -1)
 
@@ -76,7 +79,6 @@ def _load_codes(kv_ptr, slots, stride_block, stride_row, page, FMT: gl.constexpr
     tile_bytes: gl.constexpr = _tiles(FMT)[1]
     scales_at: gl.constexpr = _tiles(FMT)[2]
     scales_l: gl.constexpr = gl.SliceLayout(2, layout)
-    slots = gl.convert_layout(slots, gl.SliceLayout(1, scales_l))
     base = gl.expand_dims(_row_bytes(slots, stride_block, stride_row, page), 1)
     tiles = gl.expand_dims(gl.arange(0, n_tiles, layout=gl.SliceLayout(0, scales_l)), 0)
     ok = gl.expand_dims(slots >= 0, 1) & (tiles >= 0)
@@ -109,12 +111,11 @@ def _store_dequantized(k_stage, codes, scales, FMT: gl.constexpr):
         s = (scales.to(gl.int32) << 23).to(gl.float32, bitcast=True)  # e8m0
     else:
         s = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-    s = gl.expand_dims(s, 2)
     if FMT == FMT_V41_FP4:
         # element 2i sits in the low nibble of byte i
-        values = gl.join(_e2m1(codes & 0xF) * s, _e2m1(codes >> 4) * s)
+        values = gl.join(_e2m1(codes & 0xF) * gl.expand_dims(s, 2), _e2m1(codes >> 4) * gl.expand_dims(s, 2))
     else:
-        values = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * s
+        values = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(s, 2)
     k_stage.store(gl.reshape(values.to(k_stage.dtype), [k_stage.shape[0], 512]))
     async_copy.wait_group(0)
     fence_async_shared()
@@ -145,18 +146,6 @@ def _prefetch_rows(kv_ptr, slots, stride_block, stride_row, page, FMT: gl.conste
 
 
 @gluon.jit
-def _fetch(k_smem, kr_smem, stage, slots, later_slots, src, FMT: gl.constexpr):
-    """Issue the loads of the block ``slots`` name (its rope copies into ``stage``) and ask L2 for the block
-    after it; returns the codes and scales for ``_store_dequantized``."""
-    kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j0, j1 = src
-    codes, scales = _load_codes(kv_ptr, slots, stride_block, stride_row, page, FMT)
-    if FMT == FMT_V32_FP8:
-        _copy_rope(kr_smem.index(stage), kv_ptr, slots, stride_block, stride_row, page)
-    _prefetch_rows(kv_ptr, later_slots, stride_block, stride_row, page, FMT)
-    return codes, scales
-
-
-@gluon.jit
 def _attend_source(q_smem, qr_smem, bufs, bars, src, i0, m_run, m_use, l, scale_log2, D_QK: gl.constexpr,
                    FMT: gl.constexpr):
     """Key blocks ``[j0, j1)`` of one source, the program's blocks ``i0, i0 + 1, ...`` (stage ``i % 2``):
@@ -167,11 +156,14 @@ def _attend_source(q_smem, qr_smem, bufs, bars, src, i0, m_run, m_use, l, scale_
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     s_layout: gl.constexpr = warpgroup_mma_layout(BLOCK_N)
     pos_l: gl.constexpr = gl.SliceLayout(0, s_layout)
-    slots = _block_slots(idx_row_ptr, j0, end, n_rows, BLOCK_N)
-    next_slots = _block_slots(idx_row_ptr, j0 + 1, end, n_rows, BLOCK_N)
-    later_slots = _block_slots(idx_row_ptr, j0 + 2, end, n_rows, BLOCK_N)
+    slots = _block_slots(idx_row_ptr, j0, end, n_rows, BLOCK_N, FMT)
+    next_slots = _block_slots(idx_row_ptr, j0 + 1, end, n_rows, BLOCK_N, FMT)
+    later_slots = _block_slots(idx_row_ptr, j0 + 2, end, n_rows, BLOCK_N, FMT)
     if j0 < j1:
-        codes, scales = _fetch(k_smem, kr_smem, i0 % 2, slots, next_slots, src, FMT)
+        codes, scales = _load_codes(kv_ptr, slots, stride_block, stride_row, page, FMT)
+        if FMT == FMT_V32_FP8:
+            _copy_rope(kr_smem.index(i0 % 2), kv_ptr, slots, stride_block, stride_row, page)
+        _prefetch_rows(kv_ptr, next_slots, stride_block, stride_row, page, FMT)
         _store_dequantized(k_smem.index(i0 % 2), codes, scales, FMT)
     for j in range(j0, j1):
         i = i0 + j - j0
@@ -183,10 +175,13 @@ def _attend_source(q_smem, qr_smem, bufs, bars, src, i0, m_run, m_use, l, scale_
         valid = gl.expand_dims(gl.convert_layout(slots, pos_l) >= 0, 0)
         # Block j + 1's rows travel while the matrix units compute S (past the range: nothing is read); those
         # of block j + 2 are asked into L2. The rope stage is free already: only S of block j - 1 read it.
-        codes, scales = _fetch(k_smem, kr_smem, 1 - stage, next_slots, later_slots, src, FMT)
+        codes, scales = _load_codes(kv_ptr, next_slots, stride_block, stride_row, page, FMT)
+        if FMT == FMT_V32_FP8:
+            _copy_rope(kr_smem.index(1 - stage), kv_ptr, next_slots, stride_block, stride_row, page)
+        _prefetch_rows(kv_ptr, later_slots, stride_block, stride_row, page, FMT)
         slots = next_slots
         next_slots = later_slots
-        later_slots = _block_slots(idx_row_ptr, j + 3, end, n_rows, BLOCK_N)
+        later_slots = _block_slots(idx_row_ptr, j + 3, end, n_rows, BLOCK_N, FMT)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         # Raw logits: the scale is folded into the exponent; invalid keys get NEG, then p = 0.
         s = gl.where(valid, s, NEG)
