@@ -178,7 +178,7 @@ def _jobs(shipped: bool, arch: Arch) -> list:
 
 
 def hopper_reports() -> list:
-    """(label, report) of the Gluon kernels of ``hopper/`` compiled for sm_90 with their shipped tile: they
+    """(label, report, spill budget in bytes) of the Gluon kernels of ``hopper/`` compiled for sm_90 with their shipped tile: they
     exist for Hopper only, and Gluon's API moves between Triton releases, so this also checks that the
     installed Triton still builds them."""
     import torch
@@ -211,8 +211,11 @@ def hopper_reports() -> list:
              dict(D_QK=576, FMT=1, X_FMT=1, HAS_X=False, HAS_LEN=True, HAS_X_LEN=False, **decode)),
             ("hopper decode v41+fp4", kernels.sparse_decode_hopper_kernel, decode_ptrs,
              dict(D_QK=512, FMT=3, X_FMT=4, HAS_X=True, HAS_LEN=True, HAS_X_LEN=True, **decode))]
-    return [(label, report(kernel, ptrs, consts, 4, ARCHS["90"], GluonASTSource, maxnreg=REGS.value))
-            for label, kernel, ptrs, consts in jobs]
+    # Spills allowed: a few bytes, except in the V4.1 + FP4 decoding kernel, whose FP4 loop spills ~0.6-0.8 KB
+    # and still beat the portable kernel on the H200 (sparse_mla/NOTES.md run 27): more is a regression.
+    budgets = {"hopper decode v41+fp4": 1024}
+    return [(label, report(kernel, ptrs, consts, 4, ARCHS["90"], GluonASTSource, maxnreg=REGS.value),
+             budgets.get(label, 64)) for label, kernel, ptrs, consts in jobs]
 
 
 def _line(label: str, tile: TileConfig, r: dict) -> str:
@@ -235,11 +238,9 @@ def main() -> None:
     print(f"{a.arch} ({arch.kind}): a block may use {arch.smem} bytes of shared memory", flush=True)
     if a.hopper:
         from .tuning import warp_specialized_config
-        for label, r in hopper_reports():
+        for label, r, spill_budget in hopper_reports():
             print(_line(label, warp_specialized_config(), r), flush=True)
-            # (The V4.1 + FP4 decoding kernel spills ~0.8 KB in its FP4 loop and still beat the portable kernel
-            # on the H200, sparse_mla/NOTES.md run 27; more than 1 KB is taken as a regression.)
-            if not r["fits"] or r["spill_bytes"] > 1024:
+            if not r["fits"] or r["spill_bytes"] > spill_budget:
                 raise SystemExit(f"{label}: does not fit sm_90 as shipped")
         return
     seen, misfits = set(), 0

@@ -20,8 +20,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from ..common import FMT_V32_FP8, FMT_V41_FP4, FMT_V41_FP8
-from .partitions import (BLOCK_H, NEG, ROWS_LAYOUT, exp2_approx, publish_alpha, publish_p, publish_totals,
-                         warpgroup_mma_layout)
+from .partitions import (BLOCK_H, NEG, ROWS_LAYOUT, block_indices, exp2_approx, publish_alpha, publish_p,
+                         publish_totals, warpgroup_mma_layout)
 
 # Registers a thread of each output warpgroup (their [64, 256] accumulators fit without spills); the softmax
 # warpgroup gets the rest of the register file (184), for the block it holds in flight.
@@ -52,15 +52,6 @@ def _tiles(fmt):
 def _slots_layout(fmt):
     """A block's slots [rows], spread as the rows of its codes are."""
     return gl.SliceLayout(1, gl.SliceLayout(2, _codes_layout(fmt)))
-
-
-@gluon.jit
-def _block_slots(idx_row_ptr, j, end, n_rows, BLOCK_N: gl.constexpr, FMT: gl.constexpr):
-    """Cache slots of key block ``j`` of an index list: -1 where nothing may be read (positions from ``end``
-    on, negative indices, indices outside the cache)."""
-    pos = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=_slots_layout(FMT))
-    idx = gl.load(idx_row_ptr + pos, mask=pos < end, other=-1)
-    return gl.where((idx >= 0) & (idx < n_rows), idx, -1)
 
 
 @gluon.jit
@@ -156,9 +147,10 @@ def _attend_source(q_smem, qr_smem, bufs, bars, src, i0, m_run, m_use, l, scale_
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     s_layout: gl.constexpr = warpgroup_mma_layout(BLOCK_N)
     pos_l: gl.constexpr = gl.SliceLayout(0, s_layout)
-    slots = _block_slots(idx_row_ptr, j0, end, n_rows, BLOCK_N, FMT)
-    next_slots = _block_slots(idx_row_ptr, j0 + 1, end, n_rows, BLOCK_N, FMT)
-    later_slots = _block_slots(idx_row_ptr, j0 + 2, end, n_rows, BLOCK_N, FMT)
+    slots_l: gl.constexpr = _slots_layout(FMT)
+    slots = block_indices(idx_row_ptr, j0, end, n_rows, BLOCK_N, slots_l)
+    next_slots = block_indices(idx_row_ptr, j0 + 1, end, n_rows, BLOCK_N, slots_l)
+    later_slots = block_indices(idx_row_ptr, j0 + 2, end, n_rows, BLOCK_N, slots_l)
     if j0 < j1:
         codes, scales = _load_codes(kv_ptr, slots, stride_block, stride_row, page, FMT)
         if FMT == FMT_V32_FP8:
@@ -181,7 +173,7 @@ def _attend_source(q_smem, qr_smem, bufs, bars, src, i0, m_run, m_use, l, scale_
         _prefetch_rows(kv_ptr, later_slots, stride_block, stride_row, page, FMT)
         slots = next_slots
         next_slots = later_slots
-        later_slots = _block_slots(idx_row_ptr, j + 3, end, n_rows, BLOCK_N, FMT)
+        later_slots = block_indices(idx_row_ptr, j + 3, end, n_rows, BLOCK_N, slots_l)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         # Raw logits: the scale is folded into the exponent; invalid keys get NEG, then p = 0.
         s = gl.where(valid, s, NEG)

@@ -108,12 +108,18 @@ def _load_block(k_desc, r_desc, k_smem, kr_smem, kv_ready, stage, j, bt_row_ptr,
 
 
 @gluon.jit
-def _stage_indices(idx_smem, slot, j, src_row_ptr, length, n_rows, BLOCK_N: gl.constexpr):
-    """Sparse: the index list's block ``j`` into ``idx_smem[slot]``, with -1 for every key not to be read
-    (past ``length``, negative, or outside the kv rows)."""
-    pos = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=VECTOR_LAYOUT)
+def block_indices(src_row_ptr, j, length, n_rows, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
+    """Sparse: the index list's block ``j`` (in ``LAYOUT``), with -1 for every key not to be read (from
+    ``length`` on, negative, or outside the ``n_rows`` kv rows)."""
+    pos = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=LAYOUT)
     idx = gl.load(src_row_ptr + pos, mask=pos < length, other=-1)
-    idx_smem.index(slot).store(gl.where((idx >= 0) & (idx < n_rows), idx, -1))
+    return gl.where((idx >= 0) & (idx < n_rows), idx, -1)
+
+
+@gluon.jit
+def _stage_indices(idx_smem, slot, j, src_row_ptr, length, n_rows, BLOCK_N: gl.constexpr):
+    """Sparse: the index list's block ``j`` into ``idx_smem[slot]`` (``block_indices``)."""
+    idx_smem.index(slot).store(block_indices(src_row_ptr, j, length, n_rows, BLOCK_N, VECTOR_LAYOUT))
 
 
 @gluon.jit
