@@ -1,0 +1,11 @@
+"""The MLA layer around anymla's attention kernels (DeepSeek V3 / V3.2): prolog, absorbed attention, epilogue.
+
+:class:`MLAAttention` takes hidden states and positions, writes the step's latent rows into a paged cache of
+any format and returns the layer's output (o_proj applied, residual optional); :func:`from_hf` builds it from
+a Hugging Face ``DeepseekV3Attention`` / ``DeepseekV32Attention`` module. :func:`write_cache` is the public
+quantize-on-write cache writer for every format.
+"""
+
+from .cache_write import explain_write_cache, write_cache, write_cache_reference
+
+__all__ = ["write_cache", "write_cache_reference", "explain_write_cache"]

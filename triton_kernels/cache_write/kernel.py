@@ -1,0 +1,343 @@
+"""Triton kernels of the MLA prolog: quantize-on-write into a paged cache (every anymla format), the fused
+latent RMSNorm + k_pe RoPE + cache write, and the q assembly (absorbed nope part + RoPE of q_pe).
+
+Exactness. The encoders are integer arithmetic on fp32 bits, so the interpreter, NVIDIA and Ascend write the
+same bytes: e4m3 and the e4m3 FP4 scale round to nearest even (subnormals too), FP8 tile scales are
+``2^ceil(log2(max(amax / 448, 1e-4)))`` with the ceiling taken exactly from the bits (``amax / 448`` with a
+correctly rounded division), and FP4 divides with ``div_rn`` as torch does. The bytes are those of
+:func:`anymla.kvcache.quantize` for bf16/fp16 rows; for fp32 rows they differ only where ``amax / 448``
+lies a few ulps above a power of two, where torch's fp32 ``log2`` rounds to the integer below (a tile
+scale one power of two smaller, values saturated at 448); see NOTES.md.
+
+Stores are single bytes: a bf16 rope value or an fp32 scale is written as its 2 or 4 little-endian
+bytes, since triton-ascend rejects casts between pointers of different widths. Slots are
+``block * page_size + offset``; a slot ``< 0`` or ``>= num_blocks * page_size`` is skipped.
+"""
+
+import triton
+import triton.language as tl
+
+# Cache formats (the codes of anymla.triton_kernels.common, kept local so this kernel imports nothing else)
+FMT_BF16 = tl.constexpr(0)
+FMT_V32_FP8 = tl.constexpr(1)
+FMT_MODEL1_FP8 = tl.constexpr(2)
+FMT_V41_FP8 = tl.constexpr(3)
+FMT_V41_FP4 = tl.constexpr(4)
+
+ROPE_INTERLEAVED = tl.constexpr(0)  # DeepSeek's layout: pairs (2i, 2i + 1) share frequency i
+ROPE_NEOX = tl.constexpr(1)         # halves: (i, i + d / 2) share frequency i
+
+
+@triton.jit
+def e4m3_code(x):
+    """fp32 -> e4m3fn byte, round to nearest even; |x| must be <= 448 (callers clamp), as torch's cast."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    exp = (mag >> 23).to(tl.int32)
+    # normal range (>= 2^-6): drop 20 of fp32's 23 mantissa bits with round-half-even, rebias 127 -> 7
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20).to(tl.int32) - (120 << 3)
+    # subnormal range: the value in units of 2^-9 (the implicit bit shifted in), rounded half-even
+    m24 = (mag & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(tl.maximum(141 - exp, 21), 31).to(tl.uint32)
+    q = m24 >> shift
+    rem = m24 & ((tl.full(m24.shape, 1, tl.uint32) << shift) - 1)
+    half = tl.full(m24.shape, 1, tl.uint32) << (shift - 1)
+    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    sub = (q + up.to(tl.uint32)).to(tl.int32)
+    code = tl.where(exp >= 121, normal, sub)
+    return (code.to(tl.uint32) | sign).to(tl.uint8)
+
+
+@triton.jit
+def e4m3_value(code):
+    """e4m3fn byte -> fp32 (finite codes), exact."""
+    c = code.to(tl.int32)
+    e = (c >> 3) & 0xF
+    m = (c & 7).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * _exp2_int(e - 10))
+    return tl.where((c & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def _exp2_int(e):
+    """2^e as fp32 for an int32 e in the normal range, built from the exponent bits."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pow2_scale_exponent(amax):
+    """e with 2^e = 2^ceil(log2(max(amax / 448, 1e-4))), exactly (FlashMLA's FP8 tile scale)."""
+    t = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1e-4)
+    bits = t.to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def e2m1_code(v):
+    """fp32 -> 4-bit e2m1 code (sign in bit 3): nearest of 0, .5, 1, 1.5, 2, 3, 4, 6, ties to the even
+    code, saturating at 6, NaN -> 0 (anymla.kvcache's rule)."""
+    mag = tl.abs(v)
+    code = ((mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
+            + (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
+            + (mag > 5.0).to(tl.int32))
+    code = tl.where(v != v, 0, code)
+    return tl.where((v < 0) & (code > 0), code + 8, code)
+
+
+@triton.jit
+def bf16_bits(x):
+    """fp32 -> bf16 bit pattern (uint16), round to nearest even, in integer arithmetic: Triton's
+    interpreter truncates in ``.to(tl.bfloat16)``, a GPU rounds; this gives one answer everywhere."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return tl.where(x != x, 0x7FC0, rounded).to(tl.uint16)
+
+
+@triton.jit
+def round_to(x, TY: tl.constexpr):
+    """fp32 ``x`` rounded to nearest even in dtype TY (bf16 through :func:`bf16_bits`)."""
+    if TY == tl.bfloat16:
+        return bf16_bits(x).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(TY)
+
+
+@triton.jit
+def store_bytes_le(ptr, word, NBYTES: tl.constexpr, mask):
+    """Store the NBYTES little-endian bytes of ``word`` (an integer tensor) at ``ptr, ptr + 1, ...``."""
+    w = word.to(tl.uint32)
+    for i in tl.static_range(NBYTES):
+        tl.store(ptr + i, ((w >> (8 * i)) & 0xFF).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def store_fp8_tiles(cache_ptr, row_at, scale_at, x, mask, tile_ok, FP32_SCALES: tl.constexpr):
+    """Quantize ``x [BT, NT, TILE]`` (fp32) with one pow2 scale per tile and store it: codes at
+    ``row_at + tile * TILE + j``, scales at ``scale_at`` (4-byte fp32 each, or one e8m0 byte each).
+    ``tile_ok [NT]`` masks tiles beyond the format's count (MODEL1 has 7, padded to 8)."""
+    NT: tl.constexpr = x.shape[1]
+    TILE: tl.constexpr = x.shape[2]
+    e = pow2_scale_exponent(tl.max(tl.abs(x), axis=2))
+    y = x * _exp2_int(-e)[:, :, None]  # exact: a power-of-two scale divides without rounding
+    codes = e4m3_code(tl.minimum(tl.maximum(y, -448.0), 448.0))
+    tiles = tl.arange(0, NT)
+    col = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
+    m2 = mask[:, None] & tile_ok[None, :]
+    tl.store(cache_ptr + row_at[:, None, None] + col[None, :, :], codes,
+             mask=tl.broadcast_to(m2[:, :, None], codes.shape))
+    if FP32_SCALES:
+        store_bytes_le(cache_ptr + scale_at[:, None] + 4 * tiles[None, :], (e + 127) << 23, 4, m2)
+    else:
+        tl.store(cache_ptr + scale_at[:, None] + tiles[None, :], (e + 127).to(tl.uint8), mask=m2)
+
+
+@triton.jit
+def store_bf16(cache_ptr, at, x, mask):
+    """Store ``x [BT, N]`` (fp32) as little-endian bf16 at byte offsets ``at[:, None] + 2 * j``."""
+    j = tl.arange(0, x.shape[1])
+    bits = bf16_bits(x)
+    store_bytes_le(cache_ptr + at[:, None] + 2 * j[None, :], bits, 2, mask[:, None])
+
+
+@triton.jit
+def store_fp4_tiles(cache_ptr, row_at, scale_at, x_even, x_odd, mask):
+    """V4.1 FP4: ``x_even / x_odd [BT, 32, 8]`` are elements 16 t + 2 j and 16 t + 2 j + 1 of 32 tiles of 16.
+    Each tile's e4m3 scale is ``e4m3(clamp(amax / 6, 2^-9, 448))``; element 2i goes to the low nibble of
+    byte i, 2i + 1 to its high nibble."""
+    amax = tl.maximum(tl.max(tl.abs(x_even), axis=2), tl.max(tl.abs(x_odd), axis=2))
+    s = tl.minimum(tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)), 0.001953125), 448.0)
+    s_code = e4m3_code(s)
+    s_val = e4m3_value(s_code)[:, :, None]
+    lo = e2m1_code(tl.math.div_rn(x_even, tl.broadcast_to(s_val, x_even.shape)))
+    hi = e2m1_code(tl.math.div_rn(x_odd, tl.broadcast_to(s_val, x_odd.shape)))
+    tiles = tl.arange(0, 32)
+    byte = tiles[:, None] * 8 + tl.arange(0, 8)[None, :]
+    packed = (lo | (hi << 4)).to(tl.uint8)
+    tl.store(cache_ptr + row_at[:, None, None] + byte[None, :, :], packed,
+             mask=tl.broadcast_to(mask[:, None, None], packed.shape))
+    tl.store(cache_ptr + scale_at[:, None] + tiles[None, :], s_code, mask=mask[:, None])
+
+
+@triton.jit
+def slot_addresses(slots_ptr, tok, n_tokens, capacity, page_size, block_stride, token_stride,
+                   FMT: tl.constexpr):
+    """(valid [BT], data byte offset [BT], scale byte offset [BT]) of the tokens ``tok``; for BF16 caches the
+    data offset is in elements and the scale offset unused."""
+    slot = tl.load(slots_ptr + tok, mask=tok < n_tokens, other=-1).to(tl.int64)
+    valid = (tok < n_tokens) & (slot >= 0) & (slot < capacity)
+    slot = tl.where(valid, slot, 0)
+    blk = slot // page_size
+    off = slot % page_size
+    if FMT == FMT_MODEL1_FP8:
+        row_at = blk * block_stride + off * 576
+        scale_at = blk * block_stride + page_size * 576 + off * 8
+    else:
+        row_at = blk * block_stride + off * token_stride
+        if FMT == FMT_V41_FP4:
+            scale_at = row_at + 256
+        else:
+            scale_at = row_at + 512
+    return valid, row_at, scale_at
+
+
+@triton.jit
+def cache_write_kernel(src_ptr, src_stride, slots_ptr, cache_ptr, n_tokens, capacity, page_size,
+                       block_stride, token_stride, FMT: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Write ``n_tokens`` latent rows ``src [n_tokens, D]`` (any float dtype, row stride ``src_stride``) into
+    the paged cache at their slots. Strides of the cache are in its elements (bytes for quantized caches)."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    valid, row_at, scale_at = slot_addresses(slots_ptr, tok, n_tokens, capacity, page_size, block_stride,
+                                             token_stride, FMT)
+    src = src_ptr + tok.to(tl.int64) * src_stride
+    m2 = valid[:, None]
+    if FMT == FMT_BF16:
+        ty = cache_ptr.dtype.element_ty
+        j = tl.arange(0, 512)
+        x = tl.load(src[:, None] + j[None, :], mask=m2, other=0.0).to(tl.float32)
+        tl.store(cache_ptr + row_at[:, None] + j[None, :], round_to(x, ty), mask=m2)
+        if D == 576:
+            r = tl.arange(0, 64)
+            x = tl.load(src[:, None] + 512 + r[None, :], mask=m2, other=0.0).to(tl.float32)
+            tl.store(cache_ptr + row_at[:, None] + 512 + r[None, :], round_to(x, ty), mask=m2)
+    elif FMT == FMT_V41_FP4:
+        col = tl.arange(0, 32)[:, None] * 16 + 2 * tl.arange(0, 8)[None, :]
+        x_even = tl.load(src[:, None, None] + col[None, :, :], mask=m2[:, :, None], other=0.0).to(tl.float32)
+        x_odd = tl.load(src[:, None, None] + col[None, :, :] + 1, mask=m2[:, :, None], other=0.0).to(tl.float32)
+        store_fp4_tiles(cache_ptr, row_at, scale_at, x_even, x_odd, valid)
+    else:
+        # (tiles, tile width, bf16 tail at byte) of the FP8 formats: V32 4 x 128 + rope at 528, MODEL1
+        # 7 x 64 (padded to 8) + rope at 448, V41 16 x 32 (everything quantized)
+        if FMT == FMT_V32_FP8:
+            NT: tl.constexpr = 4
+            TILE: tl.constexpr = 128
+            N_TILES: tl.constexpr = 4
+        elif FMT == FMT_MODEL1_FP8:
+            NT: tl.constexpr = 8
+            TILE: tl.constexpr = 64
+            N_TILES: tl.constexpr = 7
+        else:
+            NT: tl.constexpr = 16
+            TILE: tl.constexpr = 32
+            N_TILES: tl.constexpr = 16
+        tiles = tl.arange(0, NT)
+        tile_ok = tiles < N_TILES
+        col = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
+        x = tl.load(src[:, None, None] + col[None, :, :], mask=m2[:, :, None] & tile_ok[None, :, None],
+                    other=0.0).to(tl.float32)
+        store_fp8_tiles(cache_ptr, row_at, scale_at, x, valid, tile_ok, FMT == FMT_V32_FP8)
+        r = tl.arange(0, 64)
+        if FMT == FMT_V32_FP8:
+            rope = tl.load(src[:, None] + 512 + r[None, :], mask=m2, other=0.0).to(tl.float32)
+            store_bf16(cache_ptr, row_at + 528, rope, valid)
+        elif FMT == FMT_MODEL1_FP8:
+            rope = tl.load(src[:, None] + 448 + r[None, :], mask=m2, other=0.0).to(tl.float32)
+            store_bf16(cache_ptr, row_at + 448, rope, valid)
+            tl.store(cache_ptr + scale_at + 7, tl.zeros_like(scale_at).to(tl.uint8), mask=valid)
+
+
+@triton.jit
+def rope_pairs(a, b, cos, sin):
+    """Rotate the pairs (a, b) by the angles whose cos / sin are given (all [.., 32] fp32)."""
+    return a * cos - b * sin, b * cos + a * sin
+
+
+@triton.jit
+def rope_index(ROPE_STYLE: tl.constexpr):
+    """Positions inside the 64-wide rope part of the two members of each of the 32 rotated pairs."""
+    i = tl.arange(0, 32)
+    if ROPE_STYLE == ROPE_INTERLEAVED:
+        return 2 * i, 2 * i + 1
+    else:
+        return i, i + 32
+
+
+@triton.jit
+def rms_normed(x, w, eps, N: tl.constexpr, OUT_TY: tl.constexpr):
+    """``w * (x * rsqrt(mean(x^2) + eps)).to(OUT_TY)`` rounded to OUT_TY, as the model's RMSNorm computes it
+    (fp32 statistics, the normalized value cast to the activation dtype before the weight multiplies)."""
+    var = tl.sum(x * x, axis=1) / N
+    inv = tl.math.div_rn(tl.full(var.shape, 1.0, tl.float32), tl.sqrt_rn(var + eps))
+    h = round_to(x * inv[:, None], OUT_TY).to(tl.float32)
+    return round_to(w[None, :] * h, OUT_TY).to(tl.float32)
+
+
+@triton.jit
+def mla_prolog_kernel(kv_ptr, kv_stride, kv_w_ptr, kv_eps,
+                      q_ptr, q_stride, q_w_ptr, q_eps, q_out_ptr, q_out_stride,
+                      pos_ptr, cos_ptr, sin_ptr, table_stride,
+                      slots_ptr, cache_ptr, n_tokens, capacity, page_size, block_stride, token_stride,
+                      FMT: tl.constexpr, ROPE_STYLE: tl.constexpr, Q_RANK: tl.constexpr,
+                      Q_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The MLA prolog of V3 / V3.2 for BLOCK_T tokens: RMSNorm of the 512-wide kv latent, RoPE of k_pe (the
+    64 columns after it) from the cos / sin table at each token's position, the 576-wide row written into a
+    BF16 or V32_FP8 cache; and, when Q_RANK > 0, the RMSNorm of the q latent (``q [T, Q_RANK]`` ->
+    ``q_out``). RoPE keeps the model's layout (DeepSeek's interleaved pairs stay interleaved)."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    live = tok < n_tokens
+    tok64 = tok.to(tl.int64)
+    OUT_TY: tl.constexpr = kv_ptr.dtype.element_ty
+    if Q_RANK > 0:
+        c = tl.arange(0, Q_BLOCK)
+        qm = live[:, None] & (c < Q_RANK)[None, :]
+        xq = tl.load(q_ptr + tok64[:, None] * q_stride + c[None, :], mask=qm, other=0.0).to(tl.float32)
+        wq = tl.load(q_w_ptr + c, mask=c < Q_RANK, other=0.0).to(tl.float32)
+        yq = rms_normed(xq, wq, q_eps, Q_RANK, OUT_TY)
+        tl.store(q_out_ptr + tok64[:, None] * q_out_stride + c[None, :], round_to(yq, q_out_ptr.dtype.element_ty),
+                 mask=qm)
+
+    valid, row_at, scale_at = slot_addresses(slots_ptr, tok, n_tokens, capacity, page_size, block_stride,
+                                             token_stride, FMT)
+    src = kv_ptr + tok64 * kv_stride
+    j = tl.arange(0, 512)
+    x = tl.load(src[:, None] + j[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    lat = rms_normed(x, tl.load(kv_w_ptr + j).to(tl.float32), kv_eps, 512, OUT_TY)
+
+    ia, ib = rope_index(ROPE_STYLE)
+    pos = tl.load(pos_ptr + tok, mask=valid, other=0).to(tl.int64)
+    i = tl.arange(0, 32)
+    cos = tl.load(cos_ptr + pos[:, None] * table_stride + i[None, :], mask=valid[:, None], other=0.0)
+    sin = tl.load(sin_ptr + pos[:, None] * table_stride + i[None, :], mask=valid[:, None], other=0.0)
+    a = tl.load(src[:, None] + 512 + ia[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    b = tl.load(src[:, None] + 512 + ib[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    ra, rb = rope_pairs(a, b, cos, sin)
+
+    if FMT == FMT_BF16:
+        ty = cache_ptr.dtype.element_ty
+        tl.store(cache_ptr + row_at[:, None] + j[None, :], round_to(lat, ty), mask=valid[:, None])
+        tl.store(cache_ptr + row_at[:, None] + 512 + ia[None, :], round_to(ra, ty), mask=valid[:, None])
+        tl.store(cache_ptr + row_at[:, None] + 512 + ib[None, :], round_to(rb, ty), mask=valid[:, None])
+    else:  # V32_FP8
+        ok = tl.full((4,), 1, tl.int1)
+        store_fp8_tiles(cache_ptr, row_at, scale_at, tl.reshape(lat, (BLOCK_T, 4, 128)), valid, ok, True)
+        store_bytes_le(cache_ptr + row_at[:, None] + 528 + 2 * ia[None, :], bf16_bits(ra), 2, valid[:, None])
+        store_bytes_le(cache_ptr + row_at[:, None] + 528 + 2 * ib[None, :], bf16_bits(rb), 2, valid[:, None])
+
+
+@triton.jit
+def q_assemble_kernel(qn_ptr, qn_s_h, qn_s_t, qpe_ptr, qpe_s_t, qpe_s_h,
+                      pos_ptr, cos_ptr, sin_ptr, table_stride,
+                      out_ptr, out_s_t, out_s_h, n_heads,
+                      D_LAT: tl.constexpr, ROPE_STYLE: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One token's attention query for BLOCK_H heads: ``out[t, h] = [q_nope_absorbed[h, t] (D_LAT) |
+    RoPE(q_pe[t, h]) (64)]``. Strides are in elements; the last dim of every input is contiguous."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = (h < n_heads)[:, None]
+    h64 = h.to(tl.int64)
+    c = tl.arange(0, D_LAT)
+    nope = tl.load(qn_ptr + h64[:, None] * qn_s_h + t * qn_s_t + c[None, :], mask=hm, other=0.0)
+    dst = out_ptr + t * out_s_t + h64[:, None] * out_s_h
+    ty = out_ptr.dtype.element_ty
+    tl.store(dst + c[None, :], round_to(nope.to(tl.float32), ty), mask=hm)
+    ia, ib = rope_index(ROPE_STYLE)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    i = tl.arange(0, 32)
+    cos = tl.load(cos_ptr + pos * table_stride + i)[None, :]
+    sin = tl.load(sin_ptr + pos * table_stride + i)[None, :]
+    src = qpe_ptr + t * qpe_s_t + h64[:, None] * qpe_s_h
+    a = tl.load(src + ia[None, :], mask=hm, other=0.0).to(tl.float32)
+    b = tl.load(src + ib[None, :], mask=hm, other=0.0).to(tl.float32)
+    ra, rb = rope_pairs(a, b, cos, sin)
+    tl.store(dst + D_LAT + ia[None, :], round_to(ra, ty), mask=hm)
+    tl.store(dst + D_LAT + ib[None, :], round_to(rb, ty), mask=hm)
