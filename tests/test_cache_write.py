@@ -1,0 +1,167 @@
+"""The cache writer and the prolog kernels against their PyTorch references (Triton in the interpreter on
+a CPU): byte-identical cache writes in every format, the fused prolog and the q assembly within rounding."""
+
+import pytest
+import torch
+
+from anymla import kvcache
+from anymla.kvcache import KVCacheFormat as F
+from anymla.layers import (RopeTable, assemble_q, assemble_q_reference, explain_write_cache, kernels, mla_prolog,
+                           mla_prolog_reference, write_cache, write_cache_reference)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TRITON = kernels.choose(DEVICE)[0] == "triton"
+needs_triton = pytest.mark.skipif(not TRITON, reason=kernels.choose(DEVICE)[1])
+FORMATS = [F.BF16, F.V32_FP8, F.MODEL1_FP8, F.V41_FP8, F.V41_FP4]
+POISON = 0xA5
+
+
+def _rows(n: int, d: int, dtype, g) -> torch.Tensor:
+    """Rows with tiles of very different magnitudes (scales from 2^-12 to 2^8), a zero row and a row whose
+    tile maxima are exact powers of two times 448 (scale boundaries)."""
+    x = torch.randn(n, d, generator=g) * torch.exp2(torch.randint(-12, 9, (n, d // 16), generator=g).float()
+                                                    ).repeat_interleave(16, 1)
+    x[0] = 0
+    x[1] = torch.randn(d, generator=g) * 0.1
+    x[1, ::32] = 448.0 * 2.0 ** -5
+    return x.to(dtype).to(DEVICE)
+
+
+def _empty_cache(fmt: F, nb: int, page: int, d: int, pad_blocks: bool = False) -> torch.Tensor:
+    """A poisoned cache laid out as anymla.kvcache.quantize lays it (optionally with padded blocks)."""
+    if fmt is F.BF16:
+        raw = torch.full((nb, page + pad_blocks, 1, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        return raw[:, :page]
+    like = kvcache.quantize(torch.zeros(nb, page, 1, fmt.spec.d_qk, device=DEVICE), fmt)
+    block = like.stride(0) + (656 if pad_blocks else 0)
+    raw = torch.full((nb * block,), POISON, dtype=torch.uint8, device=DEVICE)
+    return raw.as_strided(like.shape, (block,) + like.stride()[1:])
+
+
+def _storage(cache: torch.Tensor) -> torch.Tensor:
+    return torch.as_strided(cache.view(torch.uint8), (cache.untyped_storage().nbytes(),), (1,), 0)
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_writer_matches_reference_and_quantize(fmt, dtype):
+    g = torch.Generator().manual_seed(1)
+    nb, page = 4, 5
+    d = 576 if fmt in (F.BF16, F.V32_FP8) else 512
+    rows = _rows(nb * page, d, dtype, g)
+    slots = torch.randperm(nb * page, generator=g).to(DEVICE)
+    ours, ref = _empty_cache(fmt, nb, page, d), _empty_cache(fmt, nb, page, d)
+    write_cache(ours, rows[slots], slots)
+    write_cache_reference(ref, rows[slots], slots)
+    assert torch.equal(_storage(ours), _storage(ref))
+    # every slot written: the cache is quantize() of the rows in slot order (bf16: the rows rounded)
+    if fmt is F.BF16:
+        assert torch.equal(ours, rows.view(nb, page, 1, d).to(torch.bfloat16))
+    else:
+        whole = kvcache.quantize(rows.view(nb, page, 1, d), fmt)
+        # MODEL1 blocks end in padding that quantize() zeroes and a writer leaves alone: compare the fields
+        used = page * fmt.spec.bytes_per_token
+        blocks = lambda c: _storage(c).view(nb, c.stride(0))[:, :used]  # noqa: E731
+        assert torch.equal(blocks(ours), blocks(whole))
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_writer_skips_invalid_slots_and_keeps_other_bytes(fmt):
+    g = torch.Generator().manual_seed(2)
+    nb, page = 3, 7
+    d = 576 if fmt in (F.BF16, F.V32_FP8) else 512
+    rows = _rows(9, d, torch.bfloat16, g)
+    slots = torch.tensor([3, -1, 20, nb * page, 0, -7, 11, 2 ** 30, 14], device=DEVICE)
+    ours, ref = _empty_cache(fmt, nb, page, d, pad_blocks=True), _empty_cache(fmt, nb, page, d, pad_blocks=True)
+    before = _storage(ours).clone()
+    write_cache(ours, rows, slots.int())
+    write_cache_reference(ref, rows, slots)
+    assert torch.equal(_storage(ours), _storage(ref))
+    valid = slots[(slots >= 0) & (slots < nb * page)]
+    got = kvcache.gather_rows(ours, valid)
+    if fmt is F.BF16:
+        got, want = got[:, 0], rows[(slots >= 0) & (slots < nb * page)].to(torch.bfloat16)
+    else:
+        want = kvcache.quantize(rows[(slots >= 0) & (slots < nb * page)].view(-1, 1, 1, d), fmt)
+        want = kvcache.dequantize(want)[:, 0, 0]
+    assert torch.equal(got, want)
+    changed = (_storage(ours) != before).sum().item()
+    per_token = fmt.spec.bytes_per_token if fmt.is_quantized else 2 * d
+    assert 0 < changed <= len(valid) * per_token  # nothing outside the valid slots' fields was touched
+
+
+def test_writer_errors_name_the_argument():
+    cache = torch.zeros(2, 4, 1, 656, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="latent"):
+        write_cache(cache, torch.zeros(3, 512), torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="slots"):
+        write_cache(cache, torch.zeros(3, 576), torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(TypeError, match="slots"):
+        write_cache(cache, torch.zeros(3, 576), torch.zeros(3))
+    with pytest.raises(ValueError, match="cache"):
+        write_cache(torch.zeros(2, 4, 1, 600, dtype=torch.uint8), torch.zeros(3, 576), torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="backend"):
+        write_cache(cache, torch.zeros(3, 576), torch.zeros(3, dtype=torch.int32), backend="cuda")
+
+
+def test_explain_names_the_choice():
+    text = explain_write_cache(DEVICE)
+    assert ("triton" if TRITON else "torch") in text
+    assert "torch (forced" in explain_write_cache(DEVICE, "torch")
+
+
+def _table(style: str) -> RopeTable:
+    params = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32,
+              "mscale": 1.0, "mscale_all_dim": 0.7}
+    return RopeTable.build(64, params, 300, style, 256, DEVICE)
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", [F.BF16, F.V32_FP8], ids=lambda f: f.name)
+@pytest.mark.parametrize("style", ["interleaved", "neox"])
+@pytest.mark.parametrize("q_rank", [0, 24])
+def test_prolog_matches_reference(fmt, style, q_rank):
+    g = torch.Generator().manual_seed(3)
+    n, nb, page = 19, 6, 4
+    a = (torch.randn(n, q_rank + 576 + 8, generator=g) * 3).bfloat16().to(DEVICE)  # wider rows: strided slices
+    kv_a, q_lat = a[:, q_rank:q_rank + 576], (a[:, :q_rank] if q_rank else None)
+    w = (1 + 0.2 * torch.randn(576 + q_rank, generator=g)).bfloat16().to(DEVICE)
+    q_w = w[512:512 + q_rank].contiguous() if q_rank else None
+    pos = torch.randint(0, 300, (n,), generator=g).to(DEVICE)
+    slots = torch.randperm(nb * page, generator=g)[:n].to(DEVICE)
+    slots[5] = -1
+    table = _table(style)
+    ours, ref = _empty_cache(fmt, nb, page, 576), _empty_cache(fmt, nb, page, 576)
+    q_ours = mla_prolog(kv_a, w[:512], 1e-6, pos, table, ours, slots, q_lat=q_lat, q_norm_weight=q_w)
+    q_ref = mla_prolog_reference(kv_a, w[:512], 1e-6, pos, table, ref, slots, q_lat=q_lat, q_norm_weight=q_w)
+    # The norms may round an element differently from torch's rsqrt (one bf16 ulp); everything else is exact.
+    ulp = 2.0 ** -7
+    if q_rank:
+        torch.testing.assert_close(q_ours.float(), q_ref.float(), atol=0, rtol=ulp)
+    else:
+        assert q_ours is None and q_ref is None
+    keep = slots[slots >= 0]
+    got, want = kvcache.gather_rows(ours, keep, fmt).float(), kvcache.gather_rows(ref, keep, fmt).float()
+    got, want = got.reshape(len(keep), 576), want.reshape(len(keep), 576)
+    torch.testing.assert_close(got[:, 512:], want[:, 512:], atol=0, rtol=ulp)  # roped k_pe (bf16 in both)
+    quant_ulp = ulp if fmt is F.BF16 else 2.0 ** -3
+    torch.testing.assert_close(got[:, :512], want[:, :512], atol=1e-6, rtol=quant_ulp)
+    assert (_storage(ours) != _storage(ref)).float().mean() < 0.01
+
+
+@needs_triton
+@pytest.mark.parametrize("style", ["interleaved", "neox"])
+def test_assemble_q_matches_reference(style):
+    g = torch.Generator().manual_seed(4)
+    h, n = 5, 7
+    q_nope = torch.randn(h, n, 512, generator=g).bfloat16().to(DEVICE)
+    q = torch.randn(n, h, 96, generator=g).bfloat16().to(DEVICE)
+    pos = torch.randint(0, 300, (n,), generator=g).to(DEVICE)
+    table = _table(style)
+    out = torch.full((n, h, 576), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    assemble_q(q_nope, q[..., 32:], pos, table, out=out)
+    ref = assemble_q_reference(q_nope, q[..., 32:], pos, table)
+    assert torch.equal(out[..., :512], ref[..., :512])
+    torch.testing.assert_close(out.float(), ref.float(), atol=0, rtol=2.0 ** -7)
