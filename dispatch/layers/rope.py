@@ -93,8 +93,6 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, table: RopeTable) -> to
     """Rotate ``x [..., rope_dim]`` at ``positions`` (broadcastable to ``x.shape[:-1]``) in fp32, keeping the
     layout; returns fp32 (callers round once)."""
     cos, sin = table.cos[positions.long()], table.sin[positions.long()]
-    while cos.dim() < x.dim():
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     a_at, b_at = _pairs(table.style, x.shape[-1])
     x = x.float()
     a, b = x[..., a_at], x[..., b_at]

@@ -1,0 +1,270 @@
+"""anymla.layers against the model code it replaces: Hugging Face transformers' DeepseekV3Attention and
+DeepseekV32Attention (eager), loaded into MLAAttention with from_hf, for prefill and token-by-token decoding
+over bf16 and V3.2 FP8 paged caches; the RoPE tables and layouts against the model's own functions."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from anymla.kvcache import KVCacheFormat as F, cache_slots, gather_rows
+from anymla.layers import MLAConfig, MLAAttention, RopeTable, apply_rope, config_from_hf, from_hf
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+DEFAULT = {"rope_type": "default", "rope_theta": 10000.0}
+# (name, DeepseekV3Config overrides): q LoRA + YaRN (V3's shape), and no q LoRA + plain RoPE + biases +
+# rope_interleave=False (the permuted-weights variant)
+VARIANTS = {
+    "qlora_yarn": dict(q_lora_rank=32, rope_parameters=YARN),
+    "noqlora_neox_bias": dict(q_lora_rank=None, rope_parameters=DEFAULT, rope_interleave=False, attention_bias=True),
+}
+
+
+def _hf():
+    return pytest.importorskip("transformers")
+
+
+def _v3_config(**overrides):
+    _hf()
+    from transformers import DeepseekV3Config
+    args = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=512,
+                qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=24, max_position_embeddings=640,
+                rope_parameters=DEFAULT, attn_implementation="eager")
+    args.update(overrides)
+    return DeepseekV3Config(**args)
+
+
+def _randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Weights of unit-scale activations (the default init's are tiny), rounded to bf16 so the fp32 model and
+    the bf16 layer hold the same numbers."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+            p.copy_(p.bfloat16().float())
+    return module.float().eval()
+
+
+def _causal_mask(s: int) -> torch.Tensor:
+    return torch.full((s, s), float("-inf")).triu(1)[None, None]
+
+
+def _reference(attn, rotary, x: torch.Tensor, latent=None) -> torch.Tensor:
+    """The Hugging Face module's eager output on ``x [1, S, hidden]`` (fp32, causal); with ``latent
+    [S, 512]`` the module's normalized kv latent is replaced by it (the rows a quantized cache returns)."""
+    hook = None
+    if latent is not None:
+        hook = attn.kv_a_layernorm.register_forward_hook(lambda m, i, out: latent.float().view(out.shape))
+    try:
+        pos = torch.arange(x.shape[1])[None]
+        with torch.no_grad():
+            out, _ = attn(x, rotary(x, pos), _causal_mask(x.shape[1]), position_ids=pos)
+    finally:
+        if hook is not None:
+            hook.remove()
+    return out
+
+
+def _hf_latent(attn, x: torch.Tensor) -> torch.Tensor:
+    """The module's own normalized kv latent ``[S, 512]`` (fp32)."""
+    with torch.no_grad():
+        kv = attn.kv_a_proj_with_mqa(x)[0, :, :512]
+        return attn.kv_a_layernorm(kv)
+
+
+def _empty_cache(fmt: F, nb: int, page: int) -> torch.Tensor:
+    if fmt is F.BF16:
+        return torch.full((nb, page, 1, 576), float("nan"), dtype=torch.bfloat16)
+    return torch.full((nb, page, 1, 656), 0xFF, dtype=torch.uint8)  # e4m3 NaN everywhere unwritten
+
+
+def _assert_matches(got: torch.Tensor, ref: torch.Tensor, rel_tol: float = 1.5e-2) -> None:
+    """bf16 layer vs fp32 model: the relative error of a bf16 pipeline (weights and activations rounded to
+    bf16 at each GEMM; measured 0.4-0.7 %, as the same module run in bf16)."""
+    got = got.float()
+    assert torch.isfinite(got).all()
+    rel = ((got - ref).norm() / ref.norm()).item()
+    worst = ((got - ref).abs().max() / ref.abs().max()).item()
+    assert rel < rel_tol and worst < 2 * rel_tol, f"relative error {rel:.4f}, worst element {worst:.4f} of the max"
+
+
+def _check_against_hf(attn, rotary, xs, outs, cache, table, fmt, page=4):
+    """Each request's outputs against the module: for a bf16 cache as it is; for an FP8 cache, run on the
+    latent rows the cache returns (dequantized), after checking those rows are the module's own latent
+    within e4m3 rounding. The FP8 outputs also stay near the plain module's (quantization error only)."""
+    for i, (x, got) in enumerate(zip(xs, outs)):
+        if fmt is F.BF16:
+            _assert_matches(got, _reference(attn, rotary, x))
+            continue
+        slots = cache_slots(torch.arange(x.shape[1])[None], table[i:i + 1], page)[0]
+        stored = gather_rows(cache, slots)[:, :512].float()
+        own = _hf_latent(attn, x)
+        tile_max = own.view(-1, 4, 128).abs().amax(-1, keepdim=True).expand(-1, 4, 128).reshape(own.shape)
+        assert ((stored - own).abs() <= tile_max * 2.0 ** -4 + own.abs() * 2.0 ** -7).all()
+        _assert_matches(got, _reference(attn, rotary, x, latent=stored))
+        _assert_matches(got, _reference(attn, rotary, x), rel_tol=6e-2)
+
+
+def _run_requests(layer, xs, prompt_lens, fmt, page=4, indices=None):
+    """Prefill each request alone (its prompt), then decode the rest of all requests together, token by
+    token, through one paged cache. Returns each request's outputs ``[1, len, hidden]``."""
+    lens = [x.shape[1] for x in xs]
+    blocks = [math.ceil(n / page) for n in lens]
+    nb = sum(blocks) + 3
+    cache = _empty_cache(fmt, nb, page)
+    order = torch.randperm(nb, generator=torch.Generator().manual_seed(7))
+    table = torch.full((len(xs), max(blocks)), nb - 1, dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(blocks):
+        table[i, :n] = order[at:at + n]
+        at += n
+    outs = []
+    with torch.no_grad():
+        for i, (x, p) in enumerate(zip(xs, prompt_lens)):
+            pos = torch.arange(p)[None]
+            idx = None if indices is None else indices[i][:, :p]
+            outs.append([layer(x[:, :p].bfloat16(), pos, cache, table[i:i + 1], torch.tensor([p], dtype=torch.int32),
+                               indices=idx)])
+        steps = [n - p for n, p in zip(lens, prompt_lens)]
+        assert len(set(steps)) == 1, "requests decode the same number of steps"
+        for k in range(steps[0]):
+            pos = torch.tensor([[p + k] for p in prompt_lens])
+            x = torch.cat([x[:, p + k:p + k + 1] for x, p in zip(xs, prompt_lens)]).bfloat16()
+            idx = None if indices is None else torch.cat([ind[:, p + k:p + k + 1] for ind, p in zip(indices, prompt_lens)])
+            out = layer(x, pos, cache, table, (pos[:, 0] + 1).int(), indices=idx)
+            for i in range(len(xs)):
+                outs[i].append(out[i:i + 1])
+    return [torch.cat(o, 1) for o in outs], cache, table
+
+
+@pytest.mark.parametrize("fmt", [F.BF16, F.V32_FP8], ids=lambda f: f.name)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_matches_hf_deepseek_v3_prefill_and_decode(variant, fmt):
+    _hf()
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+    cfg = _v3_config(**VARIANTS[variant])
+    attn = _randomize(DeepseekV3Attention(cfg, layer_idx=0), seed=11)
+    rotary = DeepseekV3RotaryEmbedding(cfg)
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(1, n, cfg.hidden_size, generator=g).bfloat16().float() for n in (10, 7)]
+    layer = from_hf(attn)
+    outs, cache, table = _run_requests(layer, xs, [6, 3], fmt)
+    _check_against_hf(attn, rotary, xs, outs, cache, table, fmt)
+
+
+def test_matches_hf_deepseek_v32_sparse_attention_with_its_indexer():
+    """V3.2: the indices its indexer picks (top 4 of up to 12 tokens), fed to the layer as DSA indices."""
+    _hf()
+    from transformers import DeepseekV32Config
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Attention, DeepseekV32RotaryEmbedding
+    cfg = DeepseekV32Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                            kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=24,
+                            max_position_embeddings=640, rope_parameters=YARN, index_topk=4, index_head_dim=96,
+                            index_n_heads=2, attn_implementation="eager")
+    attn = _randomize(DeepseekV32Attention(cfg, layer_idx=0), seed=12)
+    rotary = DeepseekV32RotaryEmbedding(cfg)
+    picked = []
+    attn.indexer.register_forward_hook(lambda m, i, out: picked.append(out))
+    g = torch.Generator().manual_seed(6)
+    xs = [torch.randn(1, n, cfg.hidden_size, generator=g).bfloat16().float() for n in (12, 9)]
+    for x in xs:
+        _reference(attn, rotary, x)
+    indices = list(picked)
+    assert indices[0].shape == (1, 12, 4) and indices[1].shape == (1, 9, 4)
+    layer = from_hf(attn)
+    for fmt in (F.BF16, F.V32_FP8):
+        outs, cache, table = _run_requests(layer, xs, [8, 5], fmt, indices=indices)
+        _check_against_hf(attn, rotary, xs, outs, cache, table, fmt)
+        # the indices matter: dense attention over the same cache gives another answer
+        dense, _, _ = _run_requests(layer, xs[:1], [8], fmt)
+        assert (dense[0] - outs[0]).abs().max() > 0.05 * outs[0].abs().max()
+
+
+@pytest.mark.parametrize("params", [DEFAULT, YARN], ids=["default", "yarn"])
+def test_rope_table_and_scale_match_hf(params):
+    _hf()
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+    cfg = _v3_config(rope_parameters=dict(params))
+    pos = torch.arange(0, 640, 7)[None]
+    cos, sin = DeepseekV3RotaryEmbedding(cfg)(torch.zeros(1, dtype=torch.float32), pos)
+    attn = DeepseekV3Attention(cfg, layer_idx=0)
+    mla = config_from_hf(attn)
+    table = RopeTable.build(64, mla.rope_parameters, 640, mla.rope_style, mla.max_position_embeddings)
+    torch.testing.assert_close(table.cos[pos[0]], cos[0, :, :32], atol=2e-6, rtol=0)
+    torch.testing.assert_close(table.sin[pos[0]], sin[0, :, :32], atol=2e-6, rtol=0)
+    assert mla.softmax_scale == pytest.approx(attn.scaling, rel=1e-12)
+    if params is YARN:
+        assert mla.softmax_scale > mla.qk_head_dim ** -0.5  # mscale is in the scale
+
+
+def test_rope_layout_matches_hf():
+    """Interleaved (DeepSeek's checkpoints): HF returns the same rotation de-interleaved, so ours (layout kept)
+    equals it after gathering evens then odds; neox (rope_interleave=False): identical."""
+    _hf()
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3RotaryEmbedding,
+                                                                      apply_rotary_pos_emb,
+                                                                      apply_rotary_pos_emb_interleave)
+    cfg = _v3_config(rope_parameters=dict(YARN))
+    g = torch.Generator().manual_seed(8)
+    q, k = torch.randn(1, 3, 9, 64, generator=g), torch.randn(1, 1, 9, 64, generator=g)
+    pos = torch.randint(0, 640, (1, 9), generator=g)
+    cos, sin = DeepseekV3RotaryEmbedding(cfg)(q, pos)
+    mla = config_from_hf(_hf().models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention(cfg, 0))
+    for style, fn in (("interleaved", apply_rotary_pos_emb_interleave), ("neox", apply_rotary_pos_emb)):
+        table = RopeTable.build(64, mla.rope_parameters, 640, style, 640)
+        hf_q, hf_k = fn(q, k, cos, sin)
+        ours_q, ours_k = apply_rope(q, pos[0], table), apply_rope(k, pos[0], table)
+        if style == "interleaved":
+            perm = torch.cat([torch.arange(0, 64, 2), torch.arange(1, 64, 2)])
+            ours_q, ours_k = ours_q[..., perm], ours_k[..., perm]
+            assert not torch.allclose(apply_rope(q, pos[0], table), hf_q, atol=1e-3)  # the layouts differ
+        torch.testing.assert_close(ours_q, hf_q, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours_k, hf_k, atol=1e-5, rtol=1e-5)
+
+
+def _small_layer(seed: int = 0) -> MLAAttention:
+    cfg = MLAConfig(hidden_size=32, num_heads=2, q_lora_rank=16, qk_nope_head_dim=16, v_head_dim=16,
+                    max_position_embeddings=64)
+    g = torch.Generator().manual_seed(seed)
+    names = {"q_a_proj.weight": (16, 32), "q_a_layernorm.weight": (16,), "q_b_proj.weight": (2 * 80, 16),
+             "kv_a_proj_with_mqa.weight": (576, 32), "kv_a_layernorm.weight": (512,),
+             "kv_b_proj.weight": (2 * 32, 512), "o_proj.weight": (32, 32)}
+    weights = {n: torch.randn(s, generator=g) / math.sqrt(s[-1]) + ("norm" in n) for n, s in names.items()}
+    return MLAAttention.from_weights(cfg, weights)
+
+
+def test_residual_is_added_and_bad_input_names_the_argument():
+    layer = _small_layer()
+    x = torch.randn(1, 3, 32).bfloat16()
+    res = torch.randn(1, 3, 32).bfloat16()
+    table = torch.tensor([[1]], dtype=torch.int32)
+    args = (torch.arange(3)[None], torch.zeros(2, 4, 1, 576, dtype=torch.bfloat16), table,
+            torch.tensor([3], dtype=torch.int32))
+    plain = layer(x, *args)
+    with_res = layer(x, *args, residual=res)
+    torch.testing.assert_close(with_res.float(), plain.float() + res.float(), atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="positions"):
+        layer(x, torch.arange(2)[None], *args[1:])
+    with pytest.raises(TypeError, match="hidden_states"):
+        layer(x.float(), *args)
+    with pytest.raises(ValueError, match="indices"):
+        layer(x, *args, indices=torch.zeros(1, 2, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        MLAConfig(hidden_size=32, num_heads=2, q_lora_rank=None, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=256)
+
+
+def test_package_imports_without_transformers():
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "import anymla, anymla.layers\n"
+            "assert 'transformers' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+            "print('ok')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
