@@ -268,3 +268,33 @@ def test_package_imports_without_transformers():
             "print('ok')")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("fmt", [F.BF16, F.V32_FP8], ids=lambda f: f.name)
+def test_layer_matches_its_eager_torch_form(fmt):
+    """The benchmark's baseline computes what the layer computes (cache writes included)."""
+    from anymla.layers import mla_forward_eager
+    layer = _small_layer(seed=3)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 3, 32, generator=g).bfloat16()
+    pos = torch.tensor([[4, 5, 6], [1, 2, 3]])
+    table = torch.tensor([[2, 0], [3, 1]], dtype=torch.int32)
+    prefix = torch.randn(2, 4, 32, generator=g).bfloat16()
+    caches = [_empty_cache(fmt, 4, 4) for _ in range(2)]
+    indices = torch.randint(-1, 7, (2, 3, 5), generator=g)
+    indices[..., 0] = pos  # every query sees at least itself
+    for cache in caches:  # earlier tokens in both caches
+        layer(prefix, torch.arange(4).expand(2, 4), cache, table, torch.tensor([4, 4], dtype=torch.int32))
+    seqlens = (pos[:, -1] + 1).int()
+    for idx in (None, indices):
+        got = layer(x, pos, caches[0], table, seqlens, indices=idx)
+        want = mla_forward_eager(layer, x, pos, caches[1], table, seqlens, indices=idx)
+        _assert_matches(got, want.float())
+
+
+def test_bench_layer_runs_small(tmp_path):
+    from anymla.bench import layer as bench_layer
+    rows = bench_layer.main(["--small", "--reps", "1", "--writer-tokens", "64", "--out", str(tmp_path)])
+    assert (tmp_path / "layer.csv").exists()
+    assert {r["component"] for r in rows} >= {"layer", "sum of parts", "eager torch", "write_cache", "attention"}
+    assert all("FAILED" not in r["note"] and "DIFFER" not in r["note"] for r in rows)

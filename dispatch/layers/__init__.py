@@ -9,10 +9,11 @@ quantize-on-write cache writer for every format.
 from .attention import MLAAttention
 from .cache_write import explain_write_cache, write_cache, write_cache_reference
 from .config import MLAConfig
+from .eager import mla_forward_eager
 from .hf import config_from_hf, from_hf
 from .prolog import assemble_q, assemble_q_reference, mla_prolog, mla_prolog_reference, rms_norm
 from .rope import RopeTable, apply_rope, rope_frequencies
 
 __all__ = ["MLAAttention", "MLAConfig", "from_hf", "config_from_hf", "write_cache", "write_cache_reference",
            "explain_write_cache", "mla_prolog", "mla_prolog_reference", "assemble_q", "assemble_q_reference",
-           "rms_norm", "RopeTable", "apply_rope", "rope_frequencies"]
+           "rms_norm", "RopeTable", "apply_rope", "rope_frequencies", "mla_forward_eager"]

@@ -17,9 +17,14 @@ _FMT_CODE = {KVCacheFormat.BF16: 0, KVCacheFormat.V32_FP8: 1, KVCacheFormat.MODE
 _ROPE_CODE = {"interleaved": ROPE_INTERLEAVED.value, "neox": ROPE_NEOX.value}
 
 
-def _tokens_per_program(device: torch.device) -> int:
-    # The interpreter pays per program, a GPU wants enough programs to fill its cores (64k tokens -> 8k).
-    return 16 if runtime.interpreting() else 8
+# (tokens per program, warps) on GPUs: 4 tokens keep every instantiation near 100 registers on sm_90 (8 tokens
+# take 124-216, 16 up to 254: fewer resident blocks for a memory-bound kernel), see NOTES.md.
+GPU_TILE = (4, 4)
+
+
+def _tile() -> tuple[int, int]:
+    # The interpreter pays per program: fewer, larger programs there.
+    return (16, 4) if runtime.interpreting() else GPU_TILE
 
 
 def _cache_geometry(cache: torch.Tensor, fmt: KVCacheFormat):
@@ -30,16 +35,18 @@ def _cache_geometry(cache: torch.Tensor, fmt: KVCacheFormat):
     return ptr, nb * page, page, cache.stride(0), cache.stride(1)
 
 
-def write_rows(cache: torch.Tensor, fmt: KVCacheFormat, latent: torch.Tensor, slots: torch.Tensor) -> None:
-    """``latent [T, d_qk]`` (last dim contiguous) quantized into ``cache`` at ``slots [T]``."""
+def write_rows(cache: torch.Tensor, fmt: KVCacheFormat, latent: torch.Tensor, slots: torch.Tensor,
+               tile: tuple[int, int] | None = None) -> None:
+    """``latent [T, d_qk]`` (last dim contiguous) quantized into ``cache`` at ``slots [T]``; ``tile``
+    (tokens per program, warps) overrides the default (the benchmark's sweep)."""
     n = latent.shape[0]
     if n == 0:
         return
     ptr, capacity, page, sb, st = _cache_geometry(cache, fmt)
-    bt = _tokens_per_program(cache.device)
+    bt, warps = tile or _tile()
     cache_write_kernel[(triton.cdiv(n, bt),)](
         latent, latent.stride(0), slots, ptr, n, capacity, page, sb, st,
-        FMT=_FMT_CODE[fmt], D=latent.shape[1], BLOCK_T=bt, num_warps=4)
+        FMT=_FMT_CODE[fmt], D=latent.shape[1], BLOCK_T=bt, num_warps=warps)
 
 
 def mla_prolog(kv_a: torch.Tensor, kv_weight: torch.Tensor, kv_eps: float, q_lat, q_weight, q_eps: float, q_out,
@@ -53,12 +60,12 @@ def mla_prolog(kv_a: torch.Tensor, kv_weight: torch.Tensor, kv_eps: float, q_lat
     q_rank = 0 if q_lat is None else q_lat.shape[1]
     q_args = (kv_a, 0, kv_weight, 0.0, kv_a, 0) if q_lat is None else (q_lat, q_lat.stride(0), q_weight, q_eps,
                                                                         q_out, q_out.stride(0))
-    bt = _tokens_per_program(kv_a.device)
+    bt, warps = _tile()
     mla_prolog_kernel[(triton.cdiv(n, bt),)](
         kv_a, kv_a.stride(0), kv_weight, kv_eps, *q_args, positions, cos, sin, cos.stride(0),
         slots, ptr, n, capacity, page, sb, st,
         FMT=_FMT_CODE[fmt], ROPE_STYLE=_ROPE_CODE[rope_style], Q_RANK=q_rank,
-        Q_BLOCK=triton.next_power_of_2(max(q_rank, 1)), BLOCK_T=bt, num_warps=4)
+        Q_BLOCK=triton.next_power_of_2(max(q_rank, 1)), BLOCK_T=bt, num_warps=warps)
 
 
 def assemble_q(q_nope_abs: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
