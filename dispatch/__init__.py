@@ -12,9 +12,11 @@ and a dispatcher that picks a tier per device and shape (Triton, hand-written As
 
 from . import kvcache
 from .api import explain, flash_mla_sparse_fwd, flash_mla_with_kvcache
+from .debug import debug_checks
 from .metadata import FlashMLASchedMeta, get_mla_metadata
 from .registry import Backend, get_backend, register_backend, registered_backends, unregister_backend
 from .selection import BackendNotSupported, Decision, available_backends, load_tuning, use_backend
+from .warmup import WarmupReport, warmup
 from . import backends as _register_builtin_backends  # noqa: F401  (registers reference, triton, ascendc, peers)
 
 __version__ = "0.1.0"
@@ -25,6 +27,9 @@ __all__ = [
     "flash_mla_sparse_fwd",
     "FlashMLASchedMeta",
     "explain",
+    "warmup",
+    "WarmupReport",
+    "debug_checks",
     "use_backend",
     "available_backends",
     "load_tuning",

@@ -1,45 +1,34 @@
 """The public, FlashMLA-compatible functions. Each builds a problem record and hands it to the dispatcher.
 
 The path of a call: public function -> :mod:`anymla.problems` record -> :func:`anymla.selection.select`
-(validate once per signature, pick a backend) -> ``backend.run(problem)``. Under ``torch.compile`` the call
-becomes one ``torch.ops.anymla`` custom op (see :mod:`anymla.library_ops`) that takes this same path when
-the compiled graph runs.
+(validate and plan once per signature, check the values on every call) -> ``decision.run(problem)``: the
+chosen backend launches with the cached plan. Under ``torch.compile`` the call becomes one ``torch.ops.anymla``
+custom op (see :mod:`anymla.library_ops`) that builds the same record and takes this same path when the
+compiled graph runs; its fake implementation runs the same validation while tracing.
 """
 
 from __future__ import annotations
 
-import contextvars
-import dataclasses
+import inspect
 from typing import Callable, Optional, Tuple, Union
 
 import torch
 
 from .metadata import FlashMLASchedMeta
-from .problems import HEAD_DIM_V, DenseDecode, SparseDecode, SparsePrefill
+from .problems import HEAD_DIM_V, SparsePrefill, check_num_splits, check_scale, decode_problem
 from . import library_ops  # noqa: F401  (registers torch.ops.anymla.*)
 from .selection import BackendChoice, Decision, select
 
 __all__ = ["flash_mla_with_kvcache", "flash_mla_sparse_fwd", "explain"]
 
-_EXPLAINING: contextvars.ContextVar[bool] = contextvars.ContextVar("anymla_explaining", default=False)
 
-
-class _Explained(Exception):
-    def __init__(self, decision: Decision, problem):
-        self.decision = decision
-        self.problem = problem
-
-
-def _execute(problem, backend: BackendChoice):
-    """Validate and select (cached per signature), bind the scheduling metadata's configuration (decode
-    calls that pass metadata: this reads shapes, so only after validation) and run."""
-    decision = select(problem, backend)
-    if _EXPLAINING.get():
-        raise _Explained(decision, problem)
+def _execute(decision: Decision, problem):
+    """Run ``problem`` with its decision; decode calls that pass metadata bind it first (its configuration is
+    fixed by the signature, so the decision carries it)."""
     sched = getattr(problem, "sched", None)
     if sched is not None:
-        sched.bind(_config(problem))
-    return decision.impl.run(problem)
+        sched.bind(decision.sched_config)
+    return decision.run(problem)
 
 
 def flash_mla_sparse_fwd(
@@ -74,9 +63,11 @@ def flash_mla_sparse_fwd(
         lse +inf.
     """
     if torch.compiler.is_compiling():
-        return torch.ops.anymla.sparse_prefill(q, kv, indices, float(sm_scale), d_v, attn_sink, topk_length,
+        _check_scale_type("sm_scale", sm_scale)
+        return torch.ops.anymla.sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
                                                _backend_arg(backend))
-    return _execute(SparsePrefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length), backend)
+    problem = SparsePrefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+    return _execute(select(problem, backend), problem)
 
 
 def flash_mla_with_kvcache(
@@ -130,37 +121,28 @@ def flash_mla_with_kvcache(
         with no attendable key, whose out is 0). For sparse decoding lse is a transposed view of a
         contiguous ``[b, s_q, h_q]`` buffer, as in FlashMLA.
     """
-    if num_splits is not None:
-        raise ValueError("num_splits: must be None (FlashMLA v1.0.0 semantics; anymla computes its own splits), "
-                         f"got {type(num_splits).__name__}")
-    if tile_scheduler_metadata is not None and not isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
-        raise TypeError("tile_scheduler_metadata: expected the FlashMLASchedMeta from anymla.get_mla_metadata(), "
-                        f"got {type(tile_scheduler_metadata).__name__}")
-    if softmax_scale is None and isinstance(q, torch.Tensor):  # else validation reports q
-        softmax_scale = q.shape[-1] ** -0.5
     if torch.compiler.is_compiling():
-        return _compiled_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices,
-                                attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length,
-                                enable_batch_invariant, backend)
-    if indices is None:
-        for name, value in (("topk_length", topk_length), ("extra_k_cache", extra_k_cache),
-                            ("extra_indices_in_kvcache", extra_indices_in_kvcache),
-                            ("extra_topk_length", extra_topk_length)):
-            if value is not None:
-                raise ValueError(f"{name}: only sparse decoding (with indices) takes it; got it without indices")
-        if is_fp8_kvcache:
-            raise ValueError("is_fp8_kvcache: dense decoding (no indices) needs a bf16/fp16 cache; "
-                             "FP8 caches are decoded sparsely (pass indices)")
-        problem = DenseDecode(q, k_cache, block_table, cache_seqlens, softmax_scale, head_dim_v, bool(causal),
-                              attn_sink, bool(enable_batch_invariant), tile_scheduler_metadata)
-        return _execute(problem, backend)
-    if causal:
-        raise ValueError("causal: sparse decoding (with indices) has no causal mask; got causal=True")
-    problem = SparseDecode(q, k_cache, indices, softmax_scale, head_dim_v, attn_sink, topk_length, extra_k_cache,
-                           extra_indices_in_kvcache, extra_topk_length, is_fp8_kvcache, bool(enable_batch_invariant),
-                           tile_scheduler_metadata)
-    out, lse = _execute(problem, backend)
-    return out, lse.transpose(1, 2)
+        check_num_splits(num_splits)
+        if softmax_scale is not None:
+            _check_scale_type("softmax_scale", softmax_scale)
+        out, lse = torch.ops.anymla.decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
+                                           bool(causal), bool(is_fp8_kvcache), indices, attn_sink, extra_k_cache,
+                                           extra_indices_in_kvcache, topk_length, extra_topk_length,
+                                           bool(enable_batch_invariant), _backend_arg(backend))
+    else:
+        problem = decode_problem(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
+                                 is_fp8_kvcache, indices, attn_sink, extra_k_cache, extra_indices_in_kvcache,
+                                 topk_length, extra_topk_length, enable_batch_invariant, tile_scheduler_metadata,
+                                 num_splits)
+        out, lse = _execute(select(problem, backend), problem)
+    return (out, lse) if indices is None else (out, lse.transpose(1, 2))
+
+
+def _check_scale_type(name: str, value) -> None:
+    """Under torch.compile: a scale the op's float schema would reject with a message of its own is reported
+    here, as the eager call reports it (the op's fake implementation checks the value itself)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        check_scale(name, value)
 
 
 def _backend_arg(backend: BackendChoice) -> str:
@@ -168,52 +150,32 @@ def _backend_arg(backend: BackendChoice) -> str:
     return "" if backend is None else (backend if isinstance(backend, str) else ",".join(backend))
 
 
-def _compiled_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, indices, attn_sink,
-                     extra_k_cache, extra_indices, topk_length, extra_topk_length, batch_invariant, backend):
-    """Decoding under torch.compile: one opaque custom op (no scheduling metadata; plans are per call)."""
-    if indices is None:
-        return torch.ops.anymla.dense_decode(q, k_cache, block_table, cache_seqlens, float(softmax_scale), head_dim_v,
-                                             bool(causal), attn_sink, bool(batch_invariant), _backend_arg(backend))
-    out, lse = torch.ops.anymla.sparse_decode(q, k_cache, indices, float(softmax_scale), head_dim_v, attn_sink,
-                                              topk_length, extra_k_cache, extra_indices, extra_topk_length,
-                                              bool(batch_invariant), _backend_arg(backend))
-    return out, lse.transpose(1, 2)
-
-
-def _config(p) -> FlashMLASchedMeta.Config:
-    """The FlashMLA configuration of a validated decode problem (what a metadata object is bound to)."""
-    b, s_q, h_q, _ = p.q.shape
-    sparse = p.op == "sparse_decode"
-    extra = p.extra_k_cache if sparse else None
-    return FlashMLASchedMeta.Config(
-        b=b, s_q=s_q, h_q=h_q, page_block_size=p.k_cache.shape[1], h_k=p.k_cache.shape[2],
-        causal=not sparse and p.causal, is_fp8_kvcache=sparse and p.fmt.is_quantized,
-        topk=p.indices.shape[-1] if sparse else None,
-        extra_page_block_size=None if extra is None else extra.shape[1],
-        extra_topk=None if extra is None else p.extra_indices.shape[-1],
-        enable_batch_invariant=p.batch_invariant)
-
-
 _OPS: dict[str, Callable] = {"flash_mla_with_kvcache": flash_mla_with_kvcache,
                              "flash_mla_sparse_fwd": flash_mla_sparse_fwd}
 
 
-def explain(op: Union[str, Callable], *args, **kwargs) -> Decision:
+def explain(op: Union[str, Callable], *args, backend: BackendChoice = None, **kwargs) -> Decision:
     """The decision the dispatcher makes for ``op(*args, **kwargs)``, without running it.
 
     ``op`` is :func:`flash_mla_with_kvcache` or :func:`flash_mla_sparse_fwd` (or its name). The returned
-    :class:`~anymla.selection.Decision` is the call's (cached) decision plus, where the chosen backend has
-    several kernels, the one it would run for these arguments and why; ``print()`` it to read the chosen
-    backend, the kernel, and why each other backend was not chosen. Bad arguments raise as the call would.
+    :class:`~anymla.selection.Decision` is the very object the call would run with: the chosen backend, its
+    kernel and why (from the launch plan), how far it was verified on the device, and why each other backend
+    was not chosen; ``print()`` it. Bad arguments raise as the call would.
     """
     fn = _OPS.get(op) if isinstance(op, str) else op
     if fn not in _OPS.values():
         raise ValueError(f"op: expected one of {', '.join(_OPS)} (or the function), got {op!r}")
-    token = _EXPLAINING.set(True)
-    try:
-        fn(*args, **kwargs)
-    except _Explained as done:
-        return dataclasses.replace(done.decision, kernel=done.decision.impl.kernel(done.problem))
-    finally:
-        _EXPLAINING.reset(token)
-    raise RuntimeError("explain: the op returned without reaching the dispatcher")
+    return select(_problem(fn, args, kwargs), backend)
+
+
+def _problem(fn: Callable, args: tuple, kwargs: dict):
+    """The record ``fn(*args, **kwargs)`` would build (its arguments checked as the call checks them)."""
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    if fn is flash_mla_sparse_fwd:
+        return SparsePrefill(a["q"], a["kv"], a["indices"], a["sm_scale"], a["d_v"], a["attn_sink"], a["topk_length"])
+    return decode_problem(a["q"], a["k_cache"], a["block_table"], a["cache_seqlens"], a["head_dim_v"],
+                          a["softmax_scale"], a["causal"], a["is_fp8_kvcache"], a["indices"], a["attn_sink"],
+                          a["extra_k_cache"], a["extra_indices_in_kvcache"], a["topk_length"], a["extra_topk_length"],
+                          a["enable_batch_invariant"], a["tile_scheduler_metadata"], a["num_splits"])

@@ -1,13 +1,18 @@
 """The three problems anymla solves, as validated argument records that every backend receives.
 
-A public call builds one record; its :meth:`signature` (shapes, dtypes, devices, strides and flags) keys the
-dispatcher's decision cache, so :meth:`validate` runs once per signature, not once per call.
+A public call builds one record (decoding through :func:`decode_problem`); its :meth:`signature` (shapes,
+dtypes, devices, strides and flags) keys the dispatcher's decision cache. Validation has three parts, all here:
+:meth:`validate` checks what the signature fixes (once per signature), :meth:`check_values` what it does not
+(scalars such as the softmax scale: every call), and :meth:`check_data` what needs the tensors' contents
+(index ranges, block tables long enough for ``cache_seqlens``: only in debug mode, see :mod:`anymla.debug`).
+The eager path, the ``torch.compile`` custom ops and ``explain()`` all go through these.
 Bad input raises ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape, value or device) naming
 the argument, what was expected and what came.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -62,10 +67,10 @@ def _check_optional_vector(name: str, t, length: int, dtype: torch.dtype, device
     _need_device(name, t, device)
 
 
-def _check_scale(name: str, value) -> None:
+def check_scale(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a Python float, got {type(value).__name__}")
-    if not (value > 0 and value < float("inf")):
+    if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{name}: expected a positive finite scale, got {value}")
 
 
@@ -79,14 +84,30 @@ def _check_d_qk(name: str, d: int) -> None:
         raise ValueError(f"{name}: the last dim (d_qk) must be 576 (V3/V3.2) or 512 (V4 family), got {d}")
 
 
+def _first_bad(name: str, bad: torch.Tensor, values: torch.Tensor, expected: str) -> None:
+    """Raise naming the first element of ``values`` where ``bad`` holds (debug checks: this synchronizes)."""
+    where = bad.nonzero()
+    if where.numel():
+        at = tuple(where[0].tolist())
+        raise ValueError(f"{name}: element {at} is {values[at].item()}, expected {expected} "
+                         f"({where.shape[0]} such elements)")
+
+
 class _Problem:
-    """What every problem record shares: the device of its query (every tensor must live there)."""
+    """What every problem record shares: the device of its query (every tensor must live there) and the
+    checks of the values its signature does not fix."""
 
     q: torch.Tensor
+    sm_scale: float
+    scale_name = "softmax_scale"
 
     @property
     def device(self) -> torch.device:
         return self.q.device
+
+    def check_values(self) -> None:
+        """Every call: the arguments that are not part of :meth:`signature`."""
+        check_scale(self.scale_name, self.sm_scale)
 
 
 @dataclass
@@ -106,6 +127,7 @@ class SparsePrefill(_Problem):
     topk_length: Optional[torch.Tensor] = None
 
     op = "sparse_prefill"
+    scale_name = "sm_scale"
 
     def signature(self) -> tuple:
         return (self.op, _tensor_sig(self.q), _tensor_sig(self.kv), _tensor_sig(self.indices), self.d_v,
@@ -136,12 +158,16 @@ class SparsePrefill(_Problem):
         if self.indices.shape[:2] != (s_q, h_kv):
             raise ValueError(f"indices: expected shape [s_q, h_kv, topk] with s_q = {s_q}, h_kv = {h_kv}, "
                              f"got {tuple(self.indices.shape)}")
-        _check_scale("sm_scale", self.sm_scale)
         _check_head_dim_v("d_v", self.d_v)
         _check_optional_vector("attn_sink", self.attn_sink, h_q, torch.float32, dev, "[h_q]")
         _check_optional_vector("topk_length", self.topk_length, s_q, torch.int32, dev, "[s_q]")
         for name in ("q", "kv", "indices"):
             _need_int32_strides(name, getattr(self, name))
+
+    def check_data(self) -> None:
+        """Debug mode: every index is -1 or a row of kv (others are skipped, but usually a bug)."""
+        s_kv = self.kv.shape[0]
+        _first_bad("indices", (self.indices < -1) | (self.indices >= s_kv), self.indices, f"-1 or in [0, {s_kv})")
 
 
 @dataclass
@@ -235,11 +261,29 @@ class SparseDecode(_Problem):
                               d, b, s_q, dev)
         elif self.extra_topk_length is not None:
             raise ValueError("extra_topk_length: given without an extra_k_cache")
-        _check_scale("softmax_scale", self.sm_scale)
         _check_head_dim_v("head_dim_v", self.d_v)
         _check_optional_vector("attn_sink", self.attn_sink, h_q, torch.float32, dev, "[h_q]")
         _check_optional_vector("topk_length", self.topk_length, b, torch.int32, dev, "[b]")
         _check_optional_vector("extra_topk_length", self.extra_topk_length, b, torch.int32, dev, "[b]")
+
+    def check_data(self) -> None:
+        """Debug mode: every slot is -1 or a slot of its cache (others are skipped, but usually a bug)."""
+        for name, idx, cache in (("indices", self.indices, self.k_cache),
+                                 ("extra_indices_in_kvcache", self.extra_indices, self.extra_k_cache)):
+            if idx is not None:
+                slots = cache.shape[0] * cache.shape[1]
+                _first_bad(name, (idx < -1) | (idx >= slots), idx, f"-1 or a slot in [0, {slots})")
+
+    def sched_config(self) -> FlashMLASchedMeta.Config:
+        """The FlashMLA configuration a scheduling metadata object is bound to (fixed by the signature)."""
+        b, s_q, h_q, _ = self.q.shape
+        extra = self.extra_k_cache
+        return FlashMLASchedMeta.Config(
+            b=b, s_q=s_q, h_q=h_q, page_block_size=self.k_cache.shape[1], h_k=self.k_cache.shape[2], causal=False,
+            is_fp8_kvcache=self.fmt.is_quantized, topk=self.indices.shape[-1],
+            extra_page_block_size=None if extra is None else extra.shape[1],
+            extra_topk=None if extra is None else self.extra_indices.shape[-1],
+            enable_batch_invariant=self.batch_invariant)
 
 
 @dataclass
@@ -302,7 +346,6 @@ class DenseDecode(_Problem):
         _check_optional_vector("cache_seqlens", self.cache_seqlens, b, torch.int32, dev, "[b]")
         if self.cache_seqlens is None:
             raise ValueError("cache_seqlens: required for dense decoding (no indices given)")
-        _check_scale("softmax_scale", self.sm_scale)
         _check_head_dim_v("head_dim_v", self.d_v)
         _check_optional_vector("attn_sink", self.attn_sink, h_q, torch.float32, dev, "[h_q]")
         for name in ("q", "k_cache", "block_table"):
@@ -310,3 +353,59 @@ class DenseDecode(_Problem):
             _need_int32_strides(name, t)
             if t.stride(-1) != 1:
                 raise ValueError(f"{name}: the last dim must be contiguous (stride 1), got strides {t.stride()}")
+
+    def check_data(self) -> None:
+        """Debug mode: every length fits its block table row, and every block it reaches is a cache block.
+        (By default a length past the row is cut to the row's capacity and a bad block is skipped.)"""
+        num_blocks, page = self.k_cache.shape[:2]
+        lens, table = self.cache_seqlens, self.block_table
+        capacity = table.shape[1] * page
+        _first_bad("cache_seqlens", (lens < 0) | (lens > capacity), lens,
+                   f"a length in [0, {capacity}] (block_table has {table.shape[1]} blocks of {page} per row)")
+        used = torch.arange(table.shape[1], device=table.device)[None, :] * page < lens[:, None]
+        _first_bad("block_table", used & ((table < 0) | (table >= num_blocks)), table,
+                   f"a block in [0, {num_blocks}) where the row's length reaches it")
+
+    def sched_config(self) -> FlashMLASchedMeta.Config:
+        """The FlashMLA configuration a scheduling metadata object is bound to (fixed by the signature)."""
+        b, s_q, h_q, _ = self.q.shape
+        return FlashMLASchedMeta.Config(
+            b=b, s_q=s_q, h_q=h_q, page_block_size=self.k_cache.shape[1], h_k=self.k_cache.shape[2],
+            causal=self.causal, is_fp8_kvcache=False, topk=None, extra_page_block_size=None, extra_topk=None,
+            enable_batch_invariant=self.batch_invariant)
+
+
+def check_num_splits(num_splits) -> None:
+    if num_splits is not None:
+        raise ValueError("num_splits: must be None (FlashMLA v1.0.0 semantics; anymla computes its own splits), "
+                         f"got {type(num_splits).__name__}")
+
+
+def decode_problem(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8_kvcache,
+                   indices, attn_sink, extra_k_cache, extra_indices, topk_length, extra_topk_length,
+                   batch_invariant, sched, num_splits=None) -> "DenseDecode | SparseDecode":
+    """The record of one ``flash_mla_with_kvcache`` call: dense without ``indices``, sparse with them.
+
+    Checks how the arguments go together (the records check each argument); ``softmax_scale=None`` means
+    ``d_qk ** -0.5``. Shared by the eager call, the ``torch.compile`` custom op and ``explain()``.
+    """
+    check_num_splits(num_splits)
+    if sched is not None and not isinstance(sched, FlashMLASchedMeta):
+        raise TypeError("tile_scheduler_metadata: expected the FlashMLASchedMeta from anymla.get_mla_metadata(), "
+                        f"got {type(sched).__name__}")
+    if softmax_scale is None and isinstance(q, torch.Tensor):  # else validation reports q
+        softmax_scale = q.shape[-1] ** -0.5
+    if indices is None:
+        for name, value in (("topk_length", topk_length), ("extra_k_cache", extra_k_cache),
+                            ("extra_indices_in_kvcache", extra_indices), ("extra_topk_length", extra_topk_length)):
+            if value is not None:
+                raise ValueError(f"{name}: only sparse decoding (with indices) takes it; got it without indices")
+        if is_fp8_kvcache:
+            raise ValueError("is_fp8_kvcache: dense decoding (no indices) needs a bf16/fp16 cache; "
+                             "FP8 caches are decoded sparsely (pass indices)")
+        return DenseDecode(q, k_cache, block_table, cache_seqlens, softmax_scale, head_dim_v, bool(causal), attn_sink,
+                           bool(batch_invariant), sched)
+    if causal:
+        raise ValueError("causal: sparse decoding (with indices) has no causal mask; got causal=True")
+    return SparseDecode(q, k_cache, indices, softmax_scale, head_dim_v, attn_sink, topk_length, extra_k_cache,
+                        extra_indices, extra_topk_length, bool(is_fp8_kvcache), bool(batch_invariant), sched)

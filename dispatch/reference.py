@@ -130,7 +130,8 @@ def dense_decode(p: DenseDecode) -> tuple[torch.Tensor, torch.Tensor]:
     group = h_q // h_kv
     out = buffers.empty(b, s_q, h_q, p.d_v, dtype=p.q.dtype, device=p.device)
     lse = buffers.empty(b, h_q, s_q, dtype=torch.float32, device=p.device)
-    for i, s_k in enumerate(p.cache_seqlens.tolist()):
+    capacity = p.block_table.shape[1] * page  # a length past its block-table row is cut to the row (kernels too)
+    for i, s_k in enumerate(p.cache_seqlens.clamp(max=capacity).tolist()):
         pos = torch.arange(s_k, device=p.device)
         blocks = p.block_table[i, pos // page].long()
         keys = p.k_cache[blocks, pos % page]  # [s_k, h_kv, d]

@@ -42,17 +42,20 @@ class Backend:
         has been verified there. Empty when nothing needs saying."""
         return []
 
-    def kernel(self, problem) -> str:
-        """Which of this backend's kernels ``problem`` would run, and why (``explain()``); empty when the
-        backend has one way to run it."""
-        return ""
+    def plan(self, problem):
+        """What running ``problem`` needs that depends only on its signature (which kernel and why, tiles,
+        splits, grid, compiled-kernel handles), or None when there is nothing to plan. Made once per call
+        signature and kept in the dispatcher's decision; its ``description`` attribute (if any) is the
+        kernel line of ``explain()``. A plan holds no tensor of any call."""
+        return None
 
     def not_supported_reasons(self, problem) -> list[str]:
         if problem.op not in self.ops:
             return [f"does not implement {problem.op} (implements: {', '.join(sorted(self.ops))})"]
         return self.unavailable_reasons(problem.device) or self.shape_reasons(problem)
 
-    def run(self, problem):
+    def run(self, problem, plan=None):
+        """The op's outputs for ``problem``; ``plan`` is what :meth:`plan` made for its signature."""
         return getattr(self, problem.op)(problem)
 
 

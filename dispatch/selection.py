@@ -4,8 +4,12 @@ Precedence: the ``backend=`` keyword, then :func:`use_backend` (a context manage
 the ``ANYMLA_BACKEND`` environment variable, then a tuned choice (``ANYMLA_TUNING`` file written by
 ``python -m anymla.bench --tune``), then the automatic priority order of the device. An explicit choice
 that cannot run raises :class:`BackendNotSupported` with every reason; an automatic one falls back to the
-next backend. Decisions are cached per call signature (shapes, dtypes, devices, strides, flags) so the
-host cost of a repeated call is one dictionary lookup plus building the signature.
+next backend. Decisions are cached per call signature (shapes, dtypes, devices, strides, flags), together
+with the chosen backend's launch plan for it (its kernel, tile, splits, grid and compiled-kernel handles), so
+a repeated call costs one dictionary lookup plus building the signature before its launch. A decision is
+keyed also by everything else it depends on: the overrides in force, the tuning file, the registry's
+generation and the backends' scoped settings (:func:`scoped_settings`, e.g. ``tuning.forced``), so changing
+any of them makes the next call decide afresh. ``explain()`` returns the very object the call runs.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from .debug import debug_enabled
 from .registry import Backend, generation, get_backend, registered_backends
 
 PRIORITY = {
@@ -41,7 +46,8 @@ class BackendNotSupported(RuntimeError):
 
 @dataclass(frozen=True)
 class Decision:
-    """The dispatcher's choice for one call signature, with the reason every other backend was not chosen."""
+    """The dispatcher's choice for one call signature, with the reason every other backend was not chosen,
+    and the chosen backend's launch plan: what ``explain()`` prints is what runs."""
 
     op: str
     backend: str
@@ -51,7 +57,13 @@ class Decision:
     rejected: tuple = ()  # ((backend name, (reason, ...)), ...)
     impl: Backend = field(default=None, repr=False, compare=False)
     caveats: tuple = ()  # how far the chosen backend has been verified on this device
-    kernel: str = ""  # which of the backend's kernels runs, and why (filled in by explain())
+    kernel: str = ""  # which of the backend's kernels runs, and why (from the plan)
+    plan: object = field(default=None, repr=False, compare=False)  # the backend's launch plan (None: none)
+    sched_config: object = field(default=None, repr=False, compare=False)  # decode: FlashMLASchedMeta.Config
+
+    def run(self, problem):
+        """Run ``problem`` (a record of this decision's signature) on the chosen backend."""
+        return self.impl.run(problem, self.plan)
 
     def __str__(self) -> str:
         lines = [f"{self.op} on {self.device}: {self.backend} (chosen by {self.source})", f"  shape: {self.shape}"]
@@ -62,7 +74,10 @@ class Decision:
 
 
 _CONTEXT: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar("anymla_backend", default=None)
+# Backends' scoped settings (sorted (name, value) pairs): part of every decision's cache key.
+_SETTINGS: contextvars.ContextVar[tuple] = contextvars.ContextVar("anymla_settings", default=())
 _DECISIONS: dict = {}
+_MADE = [0]  # decisions made since import (anymla.warmup reports how many it made)
 # The tuned choices in force; "version" changes whenever they do (it is part of every decision's cache key),
 # "env" is the value of ANYMLA_TUNING they were last synchronized with.
 _TUNING: dict = {"path": None, "choices": {}, "version": 0, "env": None}
@@ -100,6 +115,25 @@ def use_backend(choice: BackendChoice):
         yield
     finally:
         _CONTEXT.reset(token)
+
+
+@contextlib.contextmanager
+def scoped_settings(**values):
+    """Settings a backend reads while planning (e.g. ``triton_kernels.tuning.forced``: pinned tiles, split
+    counts, kernels) for the calls inside the block; ``None`` values leave a setting as it is. They key the
+    decision cache, so a call inside the block never reuses a plan made outside it, and the reverse."""
+    merged = dict(_SETTINGS.get())
+    merged.update((k, v) for k, v in values.items() if v is not None)
+    token = _SETTINGS.set(tuple(sorted(merged.items())))
+    try:
+        yield
+    finally:
+        _SETTINGS.reset(token)
+
+
+def settings() -> dict:
+    """The scoped settings in force (see :func:`scoped_settings`)."""
+    return dict(_SETTINGS.get())
 
 
 def _override(keyword: BackendChoice) -> tuple[Optional[tuple], str]:
@@ -183,22 +217,37 @@ def _decide(problem, forced: Optional[tuple], source: str) -> Decision:
 def _decision(problem, chosen: str, source: str, reasons: dict) -> Decision:
     rejected = tuple((n, tuple(r)) for n, r in reasons.items() if n != chosen)
     impl = get_backend(chosen)
+    plan = impl.plan(problem)
     return Decision(problem.op, chosen, source, str(problem.device), problem.shape_key(), rejected, impl,
-                    tuple(impl.caveats(problem.device)))
+                    tuple(impl.caveats(problem.device)), getattr(plan, "description", ""), plan,
+                    problem.sched_config() if hasattr(problem, "sched_config") else None)
 
 
 def select(problem, backend: BackendChoice = None) -> Decision:
-    """The decision for ``problem`` (validated on first sight of its signature), cached per signature."""
+    """The decision for ``problem``: validated and planned on first sight of its signature, then cached.
+
+    Every call also checks the values its signature leaves out (``problem.check_values``) and, in debug mode
+    (:mod:`anymla.debug`), the tensors' contents (``problem.check_data``)."""
     forced, source = _override(backend)
-    key = (problem.signature(), forced, source, _sync_tuning(), generation())
+    key = (problem.signature(), forced, source, _sync_tuning(), generation(), _SETTINGS.get())
     decision = _DECISIONS.get(key)
     if decision is None:
         problem.validate()
+    problem.check_values()
+    if debug_enabled():
+        problem.check_data()
+    if decision is None:
         decision = _decide(problem, forced, source)
+        _MADE[0] += 1
         if len(_DECISIONS) >= _CACHE_LIMIT:
             _DECISIONS.clear()
         _DECISIONS[key] = decision
     return decision
+
+
+def decisions_made() -> int:
+    """How many decisions (validated, planned call signatures) the dispatcher has made since import."""
+    return _MADE[0]
 
 
 def clear_decision_cache() -> None:

@@ -566,14 +566,14 @@ def test_opcheck_sparse_prefill():
 def test_opcheck_sparse_decode(fmt):
     extra = dict(fmt=F.V41_FP4 if fmt is F.V41_FP8 else F.MODEL1_FP8, page=2, s_k=10, topk=4, topk_length=True)
     a = sparse_args(fmt=fmt, h_q=4, topk_length=True, sink=True, extra=extra, poison=False)
-    torch.library.opcheck(torch.ops.anymla.sparse_decode.default,
-                          (a["q"], a["k_cache"], a["indices"], 0.07, 512, a["attn_sink"], a["topk_length"],
-                           a["extra_k_cache"], a["extra_indices_in_kvcache"], a["extra_topk_length"], False,
-                           "reference"))
+    torch.library.opcheck(torch.ops.anymla.decode.default,
+                          (a["q"], a["k_cache"], None, None, 512, 0.07, False, True, a["indices"], a["attn_sink"],
+                           a["extra_k_cache"], a["extra_indices_in_kvcache"], a["topk_length"], a["extra_topk_length"],
+                           False, "reference"))
 
 
 def test_opcheck_dense_decode():
     a = dense_args(h_q=4, h_kv=2, causal=True, sink=True)
-    torch.library.opcheck(torch.ops.anymla.dense_decode.default,
-                          (a["q"], a["k_cache"], a["block_table"], a["cache_seqlens"], 0.05, 512, True, a["attn_sink"],
-                           False, "reference"))
+    torch.library.opcheck(torch.ops.anymla.decode.default,
+                          (a["q"], a["k_cache"], a["block_table"], a["cache_seqlens"], 512, 0.05, True, False, None,
+                           a["attn_sink"], None, None, None, None, False, "reference"))

@@ -102,9 +102,9 @@ def test_triton_splits_a_lone_request_unless_batch_invariant(device):
     if "triton" not in BACKENDS:
         pytest.skip(f"the Triton tier cannot run on {DEVICE}")
     args = request(cases(device)["sparse-v32"], 0)
-    loose, strict = anymla.get_mla_metadata()[0], anymla.get_mla_metadata()[0]
-    anymla.flash_mla_with_kvcache(**args, tile_scheduler_metadata=loose, backend="triton")
-    run(args, "triton", strict)
-    assert strict.plans["triton"].num_splits == 1
+    loose = anymla.explain(anymla.flash_mla_with_kvcache, **args, tile_scheduler_metadata=None, backend="triton")
+    strict = anymla.explain(anymla.flash_mla_with_kvcache, **args, tile_scheduler_metadata=None,
+                            enable_batch_invariant=True, backend="triton")
+    assert strict.plan.num_splits == 1
     if device.type == "cpu":  # the interpreter pretends to have 4 cores: a lone request is split
-        assert loose.plans["triton"].num_splits > 1
+        assert loose.plan.num_splits > 1

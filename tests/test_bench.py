@@ -116,16 +116,16 @@ class _WrongBackend(ReferenceBackend):
     name = "wrong_for_test"
     calls = 0
 
-    def run(self, problem):
+    def run(self, problem, plan=None):
         type(self).calls += 1
-        out, *rest = super().run(problem)
+        out, *rest = super().run(problem, plan)
         return (out + 0.25, *rest)
 
 
 class _RaisingBackend(ReferenceBackend):
     name = "raising_for_test"
 
-    def run(self, problem):
+    def run(self, problem, plan=None):
         raise RuntimeError("deliberate failure")
 
 

@@ -30,7 +30,7 @@ class Probe(Backend):
     def shape_reasons(self, problem):
         return list(self.reasons)
 
-    def run(self, problem):
+    def run(self, problem, plan=None):
         self.calls += 1
         outs = anymla.get_backend("reference").run(problem)
         return outs if self.corrupt is None else self.corrupt(problem.op, outs)
@@ -106,16 +106,17 @@ def test_a_device_without_a_priority_list_falls_back_to_the_reference(fresh_disp
 
 
 def test_explain_returns_the_decision_the_call_uses(fresh_dispatch, monkeypatch):
-    """The call's cached decision, plus the kernel note that only explain() computes."""
+    """explain() returns the very decision object the call runs with, launch plan and kernel line included."""
     a = prefill_args()
     d1 = explain_prefill(a, backend="triton")
-    assert explain_prefill(prefill_args(seed=1), backend="triton") == d1, "same signature -> same decision"
+    assert explain_prefill(prefill_args(seed=1), backend="triton") is d1, "same signature -> same decision"
     used = []
     real_select = anymla.api.select
     monkeypatch.setattr(anymla.api, "select", lambda *args: used.append(real_select(*args)) or used[-1])
     anymla.flash_mla_sparse_fwd(**a, backend="triton")
-    assert d1.kernel and used == [dataclasses.replace(d1, kernel="")]
-    assert used[0] is real_select(SparsePrefill(**a), "triton"), "the call reuses the cached decision"
+    assert d1.kernel and d1.plan is not None and d1.kernel == d1.plan.description
+    assert used == [d1] and used[0] is d1, "the call runs the decision explain() returned"
+    assert real_select(SparsePrefill(**a), "triton") is d1
 
 
 def test_explain_accepts_the_op_name_and_raises_like_the_call(fresh_dispatch):
@@ -152,7 +153,8 @@ def test_explain_says_how_far_the_chosen_backend_was_verified_on_the_device(fres
 
 def test_explain_names_the_triton_kernel_and_why(fresh_dispatch):
     d = explain_prefill(prefill_args(), backend="triton")
-    assert d.kernel.startswith("the portable sparse kernel; not the Hopper one: they run on sm_90 GPUs only")
+    assert d.kernel.startswith("the portable sparse kernel (tile 16 rows x 64 keys, 1 stages, 4 warps); "
+                               "not the Hopper one: they run on sm_90 GPUs only")
     assert "  kernel: the portable sparse kernel" in str(d)
     assert explain_prefill(prefill_args(), backend="reference").kernel == ""
 

@@ -105,7 +105,7 @@ def test_hopper_kernels_state_why_they_do_not_take_a_call(monkeypatch):
     with tuning.forced(warp_specialized=True):
         with pytest.raises(ValueError, match="forced, but: h_kv 2"):
             launch.use(launch.dense_decode_reasons(_dense_problem(h_kv=2), tile))
-    assert launch.describe([], "dense decode").startswith("the warp-specialized Hopper kernel")
+    assert launch.describe([], "dense decode", tile, 1).startswith("the warp-specialized Hopper kernel")
 
 
 def test_compile_report_reads_prefetch_depth_per_loop():

@@ -250,7 +250,7 @@ def store_partial(po_ptr, po_row, plse_ptr, plse_row, row_mask, m_use, l, acc):
     tl.store(plse_ptr + plse_row, tl.where(empty, float("-inf"), m_use + tl.log2(l_safe)), mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "tokens_per_batch"])
 def combine_kernel(po_ptr, plse_ptr, out_ptr, lse_ptr, sink_ptr, num_splits, num_heads, tokens_per_batch,
                    so_b, so_i, so_h, sl_b, sl_i, sl_h,
                    HAS_SINK: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SPLITS: tl.constexpr):

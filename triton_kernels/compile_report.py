@@ -76,7 +76,8 @@ def _divisibility(kernel, constexprs: dict) -> dict:
     return attrs
 
 
-_STRIDE = re.compile(r"s[a-z]{1,2}_[a-z]|kv_s[bgr]|x_s[br]|sxi_t|sbt_b")
+# (The block table's row stride is left out: the kernels do not specialize on it, see dense_decode/kernel.py.)
+_STRIDE = re.compile(r"s[a-z]{1,2}_[a-z]|kv_s[bgr]|x_s[br]|sxi_t")
 
 
 def _usage(compiled, arch: Arch) -> tuple[int, int]:
@@ -195,18 +196,19 @@ def hopper_reports() -> list:
     def desc(cols):
         block = [tile.block_n, cols]
         return mangle_type(TensorDescriptor(rows, list(rows.shape), list(rows.stride()), block,
-                                            _shared_layout(block, rows)))
+                                            _shared_layout(block, rows.dtype)))
     ints = {n: "*i32" for n in ("bt_ptr", "lens_ptr", "idx_ptr", "len_ptr")}
     bf16 = {n: "*bf16" for n in ("q_ptr", "out_ptr", "kv_ptr")}
     decode_ptrs = {**ints, **bf16, "kv_ptr": "*u8", "x_kv_ptr": "*u8", "x_idx_ptr": "*i32", "x_len_ptr": "*i32"}
-    decode = dict(HAS_SINK=True, SPLIT=True, BLOCK_N=tile.block_n, K_LAYOUT=_shared_layout([tile.block_n, 512], rows),
-                  R_LAYOUT=_shared_layout([tile.block_n, 64], rows))
+    decode = dict(HAS_SINK=True, SPLIT=True, BLOCK_N=tile.block_n,
+                  K_LAYOUT=_shared_layout([tile.block_n, 512], rows.dtype),
+                  R_LAYOUT=_shared_layout([tile.block_n, 64], rows.dtype))
     jobs = [("hopper dense d576", kernels.dense_decode_hopper_kernel, {**ints, **bf16, "k_desc": desc(512),
              "r_desc": desc(64)}, dict(D_QK=576, CAUSAL=True, HAS_SINK=True, SPLIT=True, NUM_STAGES=tile.num_stages)),
             ("hopper sparse prefill", kernels.sparse_prefill_hopper_kernel, {**ints, **bf16},
              dict(D_QK=576, HAS_LEN=True, HAS_SINK=True, BLOCK_N=tile.block_n, NUM_STAGES=tile.num_stages,
-                  K_LAYOUT=_shared_layout([tile.block_n, 512], rows),
-                  R_LAYOUT=_shared_layout([tile.block_n, 64], rows))),
+                  K_LAYOUT=_shared_layout([tile.block_n, 512], rows.dtype),
+                  R_LAYOUT=_shared_layout([tile.block_n, 64], rows.dtype))),
             ("hopper decode v32", kernels.sparse_decode_hopper_kernel, decode_ptrs,
              dict(D_QK=576, FMT=1, X_FMT=1, HAS_X=False, HAS_LEN=True, HAS_X_LEN=False, **decode)),
             ("hopper decode v41+fp4", kernels.sparse_decode_hopper_kernel, decode_ptrs,

@@ -2,7 +2,8 @@
 
 Shared-memory needs differ between Triton versions and between specializations of one kernel (strides that
 are not multiples of 16 change the layouts), so a tuned config can exceed the limit on some inputs. Rather
-than fail, a launch retries with fewer pipeline stages, then with smaller key blocks, and remembers what fit.
+than fail, a plan's first launch retries with fewer pipeline stages, then with smaller key blocks, and
+remembers what fit.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Callable, Hashable, Iterator
 
 from triton.runtime.errors import OutOfResources
 
+from .launcher import Launcher
 from .tuning import TileConfig
 
 _FITTED: dict = {}
@@ -33,18 +35,33 @@ def shrinking(tile: TileConfig) -> Iterator[TileConfig]:
         yield t
 
 
-def launch_fitting(key: Hashable, tile: TileConfig, launch: Callable[[TileConfig], None]) -> TileConfig:
-    """Run ``launch(t)`` for the first ``t`` of :func:`shrinking` that fits; ``key`` names the specialization."""
-    error = None
-    for t in shrinking(_FITTED.get((key, tile), tile)):
-        try:
-            launch(t)
-        except OutOfResources as e:
-            error = e
-            continue
-        _FITTED[(key, tile)] = t
-        return t
-    raise error
+class FittedKernel:
+    """A portable kernel launched with a plan's tile, or the largest smaller one that fits (found by the
+    plan's first launch, then kept with its :class:`Launcher`). ``key`` names the kernel's specialization;
+    tiles that had to shrink are remembered across plans under it."""
+
+    def __init__(self, fn, key: Hashable, tile: TileConfig):
+        self.fn, self.key, self.asked = fn, key, tile
+        self.tile = _FITTED.get((key, tile), tile)
+        self.launcher = None
+
+    def __call__(self, bind: Callable[[TileConfig], tuple]) -> None:
+        """Launch ``bind(tile) -> (grid, args)``."""
+        if self.launcher is not None:
+            self.launcher(*bind(self.tile))
+            return
+        error = None
+        for t in shrinking(self.tile):
+            launcher = Launcher(self.fn, num_warps=t.num_warps)
+            try:
+                launcher(*bind(t))
+            except OutOfResources as e:
+                error = e
+                continue
+            self.tile, self.launcher = t, launcher
+            _FITTED[(self.key, self.asked)] = t
+            return
+        raise error
 
 
 def shrunk_to(tile: TileConfig) -> set:

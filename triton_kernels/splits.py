@@ -2,7 +2,8 @@
 
 The number of splits is a function of the configuration only (batch, heads, cache capacity, device), never
 of the values in ``cache_seqlens`` or ``topk_length``: each program derives its own key range from them
-on the device. So a plan is built once per FlashMLASchedMeta, reused by every layer, and CUDA-graph safe.
+on the device. So it is part of the launch plan of a call signature, and the workspaces of a configuration
+can be allocated once per FlashMLASchedMeta, reused by every layer, and are CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -16,18 +17,19 @@ from anymla import buffers
 import triton
 
 from .common import combine_kernel
-from .tuning import TileConfig, forced_splits
+from .launcher import Launcher
+from .tuning import forced_splits
 
 MAX_SPLITS = 64
 _MIN_BLOCKS_PER_SPLIT = 2
 
 
 @dataclass
-class SplitPlan:
-    tile: TileConfig
-    num_splits: int
-    partial_out: Optional[torch.Tensor] = None  # [tokens, splits, heads, 512] fp32
-    partial_lse: Optional[torch.Tensor] = None  # [tokens, splits, heads] fp32, log2 domain
+class Workspaces:
+    """Where the splits write their partials before the combine merges them."""
+
+    partial_out: torch.Tensor  # [tokens, splits, heads, 512] fp32
+    partial_lse: torch.Tensor  # [tokens, splits, heads] fp32, log2 domain
 
 
 def choose_num_splits(programs: int, max_key_blocks: int, cores: int, per_core: int, batch_invariant: bool) -> int:
@@ -46,20 +48,28 @@ def choose_num_splits(programs: int, max_key_blocks: int, cores: int, per_core: 
     return max(1, min(MAX_SPLITS, by_cores, by_work))
 
 
-def make_plan(tile: TileConfig, num_splits: int, tokens: int, heads: int, device) -> SplitPlan:
+def workspaces(num_splits: int, tokens: int, heads: int, device) -> Optional[Workspaces]:
+    """The partials' buffers of ``num_splits`` splits (None for one split: nothing to merge)."""
     if num_splits == 1:
-        return SplitPlan(tile, 1)
-    return SplitPlan(tile, num_splits,
-                     buffers.empty(tokens, num_splits, heads, 512, dtype=torch.float32, device=device),
-                     buffers.empty(tokens, num_splits, heads, dtype=torch.float32, device=device))
+        return None
+    return Workspaces(buffers.empty(tokens, num_splits, heads, 512, dtype=torch.float32, device=device),
+                      buffers.empty(tokens, num_splits, heads, dtype=torch.float32, device=device))
 
 
-def combine(plan: SplitPlan, out: torch.Tensor, lse: torch.Tensor, tokens_per_batch: int,
-            out_strides: tuple, lse_strides: tuple, sink: Optional[torch.Tensor]) -> None:
-    """Merge ``plan``'s partials into ``out`` / ``lse``; ``*_strides`` = strides of (batch, query, head)."""
-    tokens, splits, heads = plan.partial_lse.shape
-    block_d = 128
-    grid = (tokens * heads, 512 // block_d)
-    combine_kernel[grid](plan.partial_out, plan.partial_lse, out, lse, sink, splits, heads, tokens_per_batch,
-                         *out_strides, *lse_strides, HAS_SINK=sink is not None, BLOCK_D=block_d,
-                         MAX_SPLITS=triton.next_power_of_2(splits), num_warps=4)
+class Combine:
+    """The merge of one plan's split partials into ``out`` / ``lse``, launched through a kept :class:`Launcher`."""
+
+    BLOCK_D = 128
+
+    def __init__(self, num_splits: int):
+        self.num_splits = num_splits
+        self.launcher = Launcher(combine_kernel, num_warps=4)
+
+    def __call__(self, ws: Workspaces, out: torch.Tensor, lse: torch.Tensor, tokens_per_batch: int,
+                 out_strides: tuple, lse_strides: tuple, sink: Optional[torch.Tensor]) -> None:
+        """``*_strides`` = strides of (batch, query, head) of ``out`` / ``lse``."""
+        tokens, splits, heads = ws.partial_lse.shape
+        grid = (tokens * heads, 512 // self.BLOCK_D, 1)
+        self.launcher(grid, [ws.partial_out, ws.partial_lse, out, lse, sink, splits, heads, tokens_per_batch,
+                             *out_strides, *lse_strides, sink is not None, self.BLOCK_D,
+                             triton.next_power_of_2(splits)])

@@ -6,7 +6,6 @@ order of the floating-point sums, so they must be a function of one request only
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional
@@ -31,39 +30,41 @@ class TileConfig:
         return 1 if self.num_warps >= 8 else 2
 
 
-_FORCED: dict = {}
-
-
-@contextlib.contextmanager
 def forced(tile: Optional["TileConfig"] = None, num_splits: Optional[int] = None, tma: Optional[bool] = None,
            portable: Optional[bool] = None, warp_specialized: Optional[bool] = None):
     """Pin the tile config, split count, use of TMA tiles, of Ascend-portable loads and/or of the
-    warp-specialized Hopper kernels of every launch inside the block (sweeps and tests)."""
-    saved = dict(_FORCED)
-    _FORCED.update({k: v for k, v in (("tile", tile), ("num_splits", num_splits), ("tma", tma),
-                                      ("portable", portable), ("warp_specialized", warp_specialized))
-                    if v is not None})
-    try:
-        yield
-    finally:
-        _FORCED.clear()
-        _FORCED.update(saved)
+    warp-specialized Hopper kernels of every call inside the block (sweeps and tests); a context manager.
+
+    Scoped like ``anymla.use_backend`` (a context variable, so threads and tasks do not see each other's) and
+    part of the dispatcher's decision key: plans made inside the block are never reused outside it."""
+    from anymla.selection import scoped_settings
+    return scoped_settings(triton_tile=tile, triton_num_splits=num_splits, triton_tma=tma,
+                           triton_portable=portable, triton_warp_specialized=warp_specialized)
+
+
+def _forced(name: str):
+    from anymla.selection import settings
+    return settings().get("triton_" + name)
+
+
+def forced_tile() -> Optional["TileConfig"]:
+    return _forced("tile")
 
 
 def forced_splits() -> Optional[int]:
-    return _FORCED.get("num_splits")
+    return _forced("num_splits")
 
 
 def forced_tma() -> Optional[bool]:
-    return _FORCED.get("tma")
+    return _forced("tma")
 
 
 def forced_portable() -> Optional[bool]:
-    return _FORCED.get("portable")
+    return _forced("portable")
 
 
 def forced_warp_specialized() -> Optional[bool]:
-    return _FORCED.get("warp_specialized")
+    return _forced("warp_specialized")
 
 
 def _rows_block(rows: int, cap: int) -> int:
@@ -82,8 +83,9 @@ _SM100_TILE = TileConfig(64, 32, 8, 3, False)
 
 def _portable(kind: str, rows: int, quantized: bool = False) -> Optional[TileConfig]:
     """The configs that do not depend on the op: a forced one, the interpreter's, AMD's and Ascend's."""
-    if "tile" in _FORCED:
-        return _FORCED["tile"]
+    tile = forced_tile()
+    if tile is not None:
+        return tile
     if kind == "interpret":
         # The interpreter costs per operation, not per element: few, large tiles.
         return TileConfig(_rows_block(rows, 64), 64, 4, 1)
@@ -144,5 +146,5 @@ _WARP_SPECIALIZED = TileConfig(64, 64, 12, 2, False)
 def warp_specialized_config() -> Optional[TileConfig]:
     """The tile of the Hopper kernels, or None when a tile meant for the portable kernels is forced (the
     Hopper kernels' tiles are told apart by their 12 warps)."""
-    tile = _FORCED.get("tile", _WARP_SPECIALIZED)
+    tile = forced_tile() or _WARP_SPECIALIZED
     return tile if tile.num_warps == 12 else None

@@ -20,21 +20,14 @@ class TritonBackend(Backend):
         from anymla.triton_kernels.runtime import verification
         return verification(device)
 
-    def kernel(self, problem) -> str:
+    def plan(self, problem):
+        """The launch plan of ``problem``'s signature: the Hopper or the portable kernel (and why), tile,
+        splits, grid and launchers (``triton_kernels/*/launch.py``)."""
         if problem.op == "dense_decode":
-            from anymla.triton_kernels.dense_decode.launch import kernel_choice
-        else:
-            from anymla.triton_kernels.sparse_mla.launch import kernel_choice
-        return kernel_choice(problem)
+            from anymla.triton_kernels.dense_decode.launch import DenseDecodePlan
+            return DenseDecodePlan(problem)
+        from anymla.triton_kernels.sparse_mla import launch
+        return launch.SparsePrefillPlan(problem) if problem.op == "sparse_prefill" else launch.SparseDecodePlan(problem)
 
-    def sparse_prefill(self, problem):
-        from anymla.triton_kernels.sparse_mla.launch import sparse_prefill
-        return sparse_prefill(problem)
-
-    def sparse_decode(self, problem):
-        from anymla.triton_kernels.sparse_mla.launch import sparse_decode
-        return sparse_decode(problem)
-
-    def dense_decode(self, problem):
-        from anymla.triton_kernels.dense_decode.launch import dense_decode
-        return dense_decode(problem)
+    def run(self, problem, plan=None):
+        return (plan or self.plan(problem))(problem)

@@ -45,15 +45,17 @@ def _clean_tile(kv_ptr, k_desc, r_desc, bt_row_ptr, j, page, num_blocks, kv_sb, 
     return k, kr
 
 
-@triton.jit
+# Arguments a serving engine changes from call to call (batch-dependent split counts, block-table widths) are not
+# specialized on: a new batch size then reuses the compiled kernel of its regime.
+@triton.jit(do_not_specialize=["sbt_b", "capacity", "num_splits"])
 def dense_decode_kernel(
         q_ptr, sq_b, sq_i, sq_h,
         kv_ptr, k_desc, r_desc, kv_sb, kv_sr, kv_sg, page, num_blocks,
-        bt_ptr, sbt_b, lens_ptr,
+        bt_ptr, sbt_b, capacity, lens_ptr,
         sink_ptr, out_ptr, so_b, so_i, so_h, lse_ptr, sl_b, sl_i, sl_h, po_ptr, plse_ptr,
         s_q, num_heads, group, h_kv, rb_per_head, num_splits, scale_log2,
-        D_QK: tl.constexpr, CAUSAL: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, USE_TMA: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SKIP_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
+        D_QK: tl.constexpr, CAUSAL: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
+        USE_TMA: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SKIP_SCALE: tl.constexpr,
         NUM_STAGES: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -72,7 +74,7 @@ def dense_decode_kernel(
     else:
         qr = q
 
-    length = tl.load(lens_ptr + b)
+    length = tl.minimum(tl.load(lens_ptr + b), capacity)  # a block-table row is never read past its end
     n_blocks = tl.cdiv(length, BLOCK_N)
     per_split = tl.cdiv(n_blocks, num_splits)
     j0 = split * per_split

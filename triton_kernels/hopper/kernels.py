@@ -14,10 +14,12 @@ from .partitions import (BLOCK_H, FILL_BY_SOFTMAX, FILL_GATHER, FILL_PAGES, REGS
                          load_queries, output_hi, output_lo, softmax_partition)
 
 
-@gluon.jit
+# Arguments a serving engine changes from call to call (batch-dependent split counts, block-table widths) are not
+# specialized on: a new batch size then reuses the compiled kernel of its regime.
+@gluon.jit(do_not_specialize=["sbt_b", "capacity", "num_splits"])
 def dense_decode_hopper_kernel(
         q_ptr, sq_b, sq_i, sq_h, k_desc, r_desc, page, num_blocks,
-        bt_ptr, sbt_b, lens_ptr, sink_ptr,
+        bt_ptr, sbt_b, capacity, lens_ptr, sink_ptr,
         out_ptr, so_b, so_i, so_h, lse_ptr, sl_b, sl_i, sl_h, po_ptr, plse_ptr,
         s_q, num_heads, rb_per_head, num_splits, scale_log2,
         D_QK: gl.constexpr, CAUSAL: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
@@ -32,7 +34,7 @@ def dense_decode_hopper_kernel(
     group = num_heads  # h_kv = 1
     q_rows = s_q * group
 
-    length = gl.load(lens_ptr + b)
+    length = gl.minimum(gl.load(lens_ptr + b), capacity)  # a block-table row never read past its end
     n_blocks = gl.cdiv(length, BLOCK_N)
     per_split = gl.cdiv(n_blocks, num_splits)
     j0 = split * per_split
@@ -92,7 +94,7 @@ def sparse_prefill_hopper_kernel(
     ], [4, 4], [REGS, REGS])
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["num_splits"])
 def sparse_decode_hopper_kernel(
         q_ptr, sq_t, sq_h, kv_ptr, kv_sb, kv_sr, page, n_rows, idx_ptr, si_t, topk, len_ptr,
         x_kv_ptr, x_sb, x_sr, x_page, x_rows, x_idx_ptr, sxi_t, x_topk, x_len_ptr, len_div, sink_ptr,

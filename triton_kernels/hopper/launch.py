@@ -16,7 +16,7 @@ import triton
 from anymla.kvcache import KVCacheFormat
 
 from .. import runtime
-from ..splits import SplitPlan
+from ..launcher import LatestDescriptors, Launcher
 from ..tuning import TileConfig, forced_tma, forced_warp_specialized, warp_specialized_config
 
 
@@ -106,76 +106,100 @@ def use(reasons: list[str]) -> bool:
     return not reasons
 
 
-def describe(reasons: list[str], portable: str) -> str:
-    """``explain()``'s kernel line: which kernel the Triton tier runs, and why not the other."""
+def describe(reasons: list[str], portable: str, tile: TileConfig, num_splits: int) -> str:
+    """``explain()``'s kernel line: which kernel the Triton tier runs and why not the other, its tile (the
+    portable kernel's as planned; a first launch may shrink it to fit) and its split count."""
     if not reasons:
-        return "the warp-specialized Hopper kernel (triton_kernels/hopper/)"
-    return f"the portable {portable} kernel; not the Hopper one: " + "; ".join(reasons)
+        text = "the warp-specialized Hopper kernel (triton_kernels/hopper/)"
+    else:
+        text = (f"the portable {portable} kernel (tile {tile.block_h} rows x {tile.block_n} keys, "
+                f"{tile.num_stages} stages, {tile.num_warps} warps); not the Hopper one: " + "; ".join(reasons))
+    return text + (f"; {num_splits} splits along the keys" if num_splits > 1 else "")
 
 
-def _gl_dtype(t: torch.Tensor):
+def _shared_layout(block, dtype: torch.dtype):
     from triton.experimental.gluon import language as gl
-    return gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
-def _shared_layout(block, t: torch.Tensor):
-    from triton.experimental.gluon import language as gl
-    return gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t))
+class DenseDecodeLaunch:
+    """The Hopper dense decoding kernel's launch for one plan (``p``: a validated DenseDecode of its signature)."""
+
+    def __init__(self, p, causal: bool, split: bool):
+        from .kernels import BLOCK_H, REGS, dense_decode_hopper_kernel
+        b, s_q, h_q, d = p.q.shape
+        self.tile = warp_specialized_config()
+        self.rb = triton.cdiv(s_q * h_q, BLOCK_H.value)
+        self.grid_rows = b * self.rb
+        self.constexprs = [d, causal, p.attn_sink is not None, split, self.tile.num_stages]
+        self.launcher = Launcher(dense_decode_hopper_kernel, num_warps=4, maxnreg=REGS.value)
+        self.descriptors = LatestDescriptors(self._make_descriptors)
+
+    def _make_descriptors(self, kv: torch.Tensor):
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        d = kv.shape[-1]
+        flat = kv.view(kv.shape[0] * kv.shape[1], d)
+        n = self.tile.block_n
+        make = lambda cols: TensorDescriptor.from_tensor(flat, [n, cols], _shared_layout([n, cols], kv.dtype))  # noqa: E731
+        return make(512), make(64) if d == 576 else None
+
+    def __call__(self, p, num_splits: int, ws, out, lse) -> None:
+        _, s_q, h_q, _ = p.q.shape
+        kv, q, bt = p.k_cache, p.q, p.block_table
+        k_desc, r_desc = self.descriptors(kv)
+        po, plse = (None, None) if ws is None else (ws.partial_out, ws.partial_lse)
+        self.launcher((self.grid_rows, num_splits, 1), [
+            q, q.stride(0), q.stride(1), q.stride(2), k_desc, r_desc, kv.shape[1], kv.shape[0],
+            bt, bt.stride(0), bt.shape[1] * kv.shape[1], p.cache_seqlens, p.attn_sink,
+            out, out.stride(0), out.stride(1), out.stride(2), lse, lse.stride(0), lse.stride(2), lse.stride(1),
+            po, plse, s_q, h_q, self.rb, num_splits, p.sm_scale * math.log2(math.e), *self.constexprs])
 
 
-def launch_dense_decode(p, plan: SplitPlan, out, lse, causal: bool, split: bool) -> None:
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from .kernels import BLOCK_H, REGS, dense_decode_hopper_kernel
-    b, s_q, h_q, d = p.q.shape
-    kv = p.k_cache
-    tile = warp_specialized_config()
-    flat = kv.view(kv.shape[0] * kv.shape[1], d)
+class SparsePrefillLaunch:
+    """The Hopper sparse prefill kernel's launch for one plan."""
 
-    def descriptor(cols):
-        return TensorDescriptor.from_tensor(flat, [tile.block_n, cols], _shared_layout([tile.block_n, cols], kv))
+    def __init__(self, q: torch.Tensor, kv: torch.Tensor, has_len: bool, has_sink: bool):
+        from .kernels import BLOCK_H, REGS, sparse_prefill_hopper_kernel
+        s_q, h_q, d = q.shape
+        tile = warp_specialized_config()
+        self.hb = triton.cdiv(h_q, BLOCK_H.value)
+        self.grid = (s_q * self.hb, 1, 1)
+        self.constexprs = [d, has_len, has_sink, tile.block_n, tile.num_stages,
+                           _shared_layout([tile.block_n, 512], kv.dtype), _shared_layout([tile.block_n, 64], kv.dtype)]
+        self.launcher = Launcher(sparse_prefill_hopper_kernel, num_warps=4, maxnreg=REGS.value)
 
-    rb = triton.cdiv(s_q * h_q, BLOCK_H.value)
-    dense_decode_hopper_kernel[(b * rb, plan.num_splits)](
-        p.q, p.q.stride(0), p.q.stride(1), p.q.stride(2), descriptor(512), descriptor(64) if d == 576 else None,
-        kv.shape[1], kv.shape[0],
-        p.block_table, p.block_table.stride(0), p.cache_seqlens, p.attn_sink,
-        out, out.stride(0), out.stride(1), out.stride(2), lse, lse.stride(0), lse.stride(2), lse.stride(1),
-        plan.partial_out, plan.partial_lse, s_q, h_q, rb, plan.num_splits, p.sm_scale * math.log2(math.e),
-        D_QK=d, CAUSAL=causal, HAS_SINK=p.attn_sink is not None, SPLIT=split, NUM_STAGES=tile.num_stages,
-        num_warps=4, maxnreg=REGS.value)
+    def __call__(self, q, kv, indices, topk_length, sink, sm_scale: float, out, lse, max_logits) -> None:
+        self.launcher(self.grid, [
+            q, q.stride(0), q.stride(1), kv, kv.stride(0), kv.shape[0], indices, indices.stride(0),
+            indices.shape[-1], topk_length, sink, out, out.stride(0), out.stride(1), lse, max_logits, q.shape[1],
+            self.hb, sm_scale * math.log2(math.e), *self.constexprs])
 
 
-def launch_sparse_prefill(q, kv, indices, topk_length, sink, sm_scale: float, out, lse, max_logits) -> None:
-    from .kernels import BLOCK_H, REGS, sparse_prefill_hopper_kernel
-    s_q, h_q, d = q.shape
-    tile = warp_specialized_config()
-    hb = triton.cdiv(h_q, BLOCK_H.value)
-    sparse_prefill_hopper_kernel[(s_q * hb,)](
-        q, q.stride(0), q.stride(1), kv, kv.stride(0), kv.shape[0], indices, indices.stride(0), indices.shape[-1],
-        topk_length, sink, out, out.stride(0), out.stride(1), lse, max_logits, h_q, hb,
-        sm_scale * math.log2(math.e),
-        D_QK=d, HAS_LEN=topk_length is not None, HAS_SINK=sink is not None, BLOCK_N=tile.block_n,
-        NUM_STAGES=tile.num_stages, K_LAYOUT=_shared_layout([tile.block_n, 512], kv),
-        R_LAYOUT=_shared_layout([tile.block_n, 64], kv), num_warps=4, maxnreg=REGS.value)
+class SparseDecodeLaunch:
+    """The Hopper sparse decoding kernel's launch for one plan: ``q [tokens, h_q, d_qk]`` over the slots of a
+    quantized cache and, if given, those of an extra cache (``sparse_mla.launch.Source``: bytes, paging,
+    indices, lengths indexed by ``token // len_div``); out ``[tokens, h_q, 512]`` and lse ``[tokens, h_q]``,
+    or the split workspaces."""
 
+    def __init__(self, tokens: int, h_q: int, d: int, main_code: int, x_code: int, has_x: bool, has_len: bool,
+                 has_x_len: bool, has_sink: bool, split: bool):
+        from .kernels import BLOCK_H, REGS, sparse_decode_hopper_kernel
+        tile = warp_specialized_config()
+        self.hb = triton.cdiv(h_q, BLOCK_H.value)
+        self.grid_rows = tokens * self.hb
+        self.constexprs = [d, main_code, x_code, has_x, has_len, has_x_len, has_sink, split, tile.block_n,
+                           _shared_layout([tile.block_n, 512], torch.bfloat16),
+                           _shared_layout([tile.block_n, 64], torch.bfloat16)]
+        self.launcher = Launcher(sparse_decode_hopper_kernel, num_warps=4, maxnreg=REGS.value)
 
-def launch_sparse_decode(q, main, extra, len_div: int, sink, sm_scale: float, out, lse, plan: SplitPlan) -> None:
-    """``q [tokens, h_q, d_qk]`` over the slots ``main.indices [tokens, 1, topk]`` of a quantized cache and, if
-    given, those of an extra cache (``sparse_mla.launch._Source``: bytes, paging, indices, lengths indexed by
-    ``token // len_div``); out ``[tokens, h_q, 512]`` and lse ``[tokens, h_q]``, or the plan's partials."""
-    from .kernels import BLOCK_H, REGS, sparse_decode_hopper_kernel
-    tokens, h_q, d = q.shape
-    x = extra or main
-    tile = warp_specialized_config()
-    hb = triton.cdiv(h_q, BLOCK_H.value)
-    idx, x_idx = (s.indices.reshape(tokens, s.indices.shape[-1]) for s in (main, x))
-    sparse_decode_hopper_kernel[(tokens * hb, plan.num_splits)](
-        q, q.stride(0), q.stride(1), main.kv, main.stride_block, main.stride_row, main.page, main.rows, idx,
-        idx.stride(0), idx.shape[-1], main.length,
-        x.kv, x.stride_block, x.stride_row, x.page, x.rows, x_idx, x_idx.stride(0), x_idx.shape[-1], x.length,
-        len_div, sink, out, out.stride(0), out.stride(1), lse, lse.stride(0), plan.partial_out, plan.partial_lse,
-        h_q, hb, plan.num_splits, sm_scale * math.log2(math.e),
-        D_QK=d, FMT=main.code, X_FMT=x.code, HAS_X=extra is not None, HAS_LEN=main.length is not None,
-        HAS_X_LEN=extra is not None and extra.length is not None, HAS_SINK=sink is not None,
-        SPLIT=plan.num_splits > 1, BLOCK_N=tile.block_n, K_LAYOUT=_shared_layout([tile.block_n, 512], q),
-        R_LAYOUT=_shared_layout([tile.block_n, 64], q), num_warps=4, maxnreg=REGS.value)
+    def __call__(self, q, main, extra, len_div: int, sink, sm_scale: float, out, lse, num_splits: int, ws) -> None:
+        tokens, h_q, _ = q.shape
+        x = extra or main
+        idx, x_idx = (s.indices.reshape(tokens, s.indices.shape[-1]) for s in (main, x))
+        po, plse = (None, None) if ws is None else (ws.partial_out, ws.partial_lse)
+        self.launcher((self.grid_rows, num_splits, 1), [
+            q, q.stride(0), q.stride(1), main.kv, main.stride_block, main.stride_row, main.page, main.rows, idx,
+            idx.stride(0), idx.shape[-1], main.length,
+            x.kv, x.stride_block, x.stride_row, x.page, x.rows, x_idx, x_idx.stride(0), x_idx.shape[-1], x.length,
+            len_div, sink, out, out.stride(0), out.stride(1), lse, lse.stride(0), po, plse,
+            h_q, self.hb, num_splits, sm_scale * math.log2(math.e), *self.constexprs])

@@ -51,7 +51,8 @@ def _attend_source(q, qr, idx_row_ptr, n_keys, blk_begin, blk_end, kv_ptr, strid
     return m_run, m_use, l, acc
 
 
-@triton.jit
+# The split count changes with the batch size: not specialized on, so a new batch size reuses the compiled kernel.
+@triton.jit(do_not_specialize=["num_splits"])
 def sparse_mla_kernel(
         q_ptr, sq_t, sq_h,
         idx_ptr, si_t, si_g, topk, len_ptr, LEN_DIV,
@@ -61,8 +62,8 @@ def sparse_mla_kernel(
         num_heads, heads_per_group, hb_per_group, num_splits, scale_log2,
         D_QK: tl.constexpr, FMT: tl.constexpr, X_FMT: tl.constexpr, HAS_X: tl.constexpr,
         HAS_LEN: tl.constexpr, HAS_X_LEN: tl.constexpr, HAS_SINK: tl.constexpr, WRITE_MAX: tl.constexpr,
-        SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SKIP_SCALE: tl.constexpr,
-        NATIVE_FP8: tl.constexpr, PORTABLE: tl.constexpr, INTERPRET: tl.constexpr, NUM_STAGES: tl.constexpr):
+        SPLIT: tl.constexpr, NATIVE_FP8: tl.constexpr, PORTABLE: tl.constexpr, INTERPRET: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SKIP_SCALE: tl.constexpr, NUM_STAGES: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     hb_total = (num_heads // heads_per_group) * hb_per_group

@@ -1,4 +1,9 @@
-"""Launchers of the sparse MLA kernel for ``flash_mla_sparse_fwd`` and sparse ``flash_mla_with_kvcache``."""
+"""Launch plans of the sparse MLA kernels for ``flash_mla_sparse_fwd`` and sparse ``flash_mla_with_kvcache``.
+
+A plan is made once per call signature (the dispatcher keeps it in its decision): which kernel runs and why
+(the Hopper one or the portable one), the tile, the split count and the grid, with the kernels' launchers.
+A call only binds its tensors to the plan and launches.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +18,10 @@ from anymla import buffers
 from anymla.kvcache import KVCacheFormat
 
 from .. import runtime
-from ..fit import launch_fitting
+from ..fit import FittedKernel
 from ..hopper import launch as hopper
-from ..splits import SplitPlan, choose_num_splits, combine, make_plan
-from ..tuning import sparse_config
+from ..splits import Combine, choose_num_splits, workspaces
+from ..tuning import TileConfig, sparse_config
 from .kernel import sparse_mla_kernel
 
 _FMT_CODE = {KVCacheFormat.BF16: 0, KVCacheFormat.V32_FP8: 1, KVCacheFormat.MODEL1_FP8: 2,
@@ -24,11 +29,10 @@ _FMT_CODE = {KVCacheFormat.BF16: 0, KVCacheFormat.V32_FP8: 1, KVCacheFormat.MODE
 
 
 @dataclass
-class _Source:
-    """One gathered key source: a (paged) cache, its index list per token and optional lengths."""
+class Source:
+    """One gathered key source of a call: a (paged) cache, its index list per token and optional lengths."""
 
     kv: torch.Tensor  # bf16/fp16 elements, or uint8 bytes
-    fmt: KVCacheFormat
     page: int
     stride_block: int
     stride_row: int
@@ -37,16 +41,11 @@ class _Source:
     indices: torch.Tensor  # [tokens, groups, topk], last dim contiguous
     length: Optional[torch.Tensor]
 
-    @property
-    def code(self) -> int:
-        """The format's code in the kernels (``common.FMT_*``)."""
-        return _FMT_CODE[self.fmt]
-
     @classmethod
-    def paged(cls, cache: torch.Tensor, fmt: KVCacheFormat, indices: torch.Tensor, length) -> "_Source":
+    def paged(cls, cache: torch.Tensor, fmt: KVCacheFormat, indices: torch.Tensor, length) -> "Source":
         kv = cache if fmt is KVCacheFormat.BF16 else cache.view(torch.uint8)
         nb, page = cache.shape[:2]
-        return cls(kv, fmt, page, kv.stride(0), kv.stride(1), 0, nb * page,
+        return cls(kv, page, kv.stride(0), kv.stride(1), 0, nb * page,
                    _last_dim_contiguous(indices.reshape(-1, 1, indices.shape[-1])), length)
 
 
@@ -54,97 +53,122 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch(q: torch.Tensor, main: _Source, extra: Optional[_Source], len_div: int, sink, sm_scale: float,
-            out: torch.Tensor, lse: torch.Tensor, max_logits: Optional[torch.Tensor], plan: SplitPlan) -> None:
-    tokens, heads, d_qk = q.shape
-    groups = main.indices.shape[1]
-    per_group = heads // groups
-    x = extra or main
-    constexprs = dict(D_QK=d_qk, FMT=main.code, X_FMT=x.code, HAS_X=extra is not None,
-                      HAS_LEN=main.length is not None, HAS_X_LEN=extra is not None and extra.length is not None,
-                      HAS_SINK=sink is not None, WRITE_MAX=max_logits is not None, SPLIT=plan.num_splits > 1,
-                      NATIVE_FP8=runtime.native_fp8(q.device), PORTABLE=runtime.portable_loads(q.device),
-                      INTERPRET=runtime.interpreting())
+class _Portable:
+    """The portable kernel's launch for one plan: its constexprs and fitted tile."""
 
-    def launch(tile):
-        hb = triton.cdiv(per_group, tile.block_h)
-        sparse_mla_kernel[(tokens * groups * hb, plan.num_splits)](
-            q, q.stride(0), q.stride(1),
-            main.indices, main.indices.stride(0), main.indices.stride(1), main.indices.shape[-1], main.length,
-            len_div,
-            main.kv, main.stride_block, main.stride_row, main.stride_group, main.page, main.rows,
-            x.indices, x.indices.stride(0), x.indices.shape[-1], x.length, x.kv, x.stride_block, x.stride_row,
-            x.page, x.rows,
-            sink, out, out.stride(0), out.stride(1), lse, max_logits, plan.partial_out, plan.partial_lse,
-            heads, per_group, hb, plan.num_splits, sm_scale * math.log2(math.e),
-            BLOCK_H=tile.block_h, BLOCK_N=tile.block_n, SKIP_SCALE=tile.skip_scale, NUM_STAGES=tile.num_stages,
-            num_warps=tile.num_warps, **constexprs)
+    def __init__(self, device: torch.device, tile: TileConfig, d_qk: int, fmt: KVCacheFormat,
+                 x_fmt: Optional[KVCacheFormat], has_len: bool, has_x_len: bool, has_sink: bool, write_max: bool,
+                 split: bool, tokens: int, heads: int, groups: int):
+        self.per_group = heads // groups
+        self.rows = tokens * groups
+        self.constexprs = dict(D_QK=d_qk, FMT=_FMT_CODE[fmt], X_FMT=_FMT_CODE[x_fmt or fmt], HAS_X=x_fmt is not None,
+                               HAS_LEN=has_len, HAS_X_LEN=has_x_len, HAS_SINK=has_sink, WRITE_MAX=write_max,
+                               SPLIT=split, NATIVE_FP8=runtime.native_fp8(device),
+                               PORTABLE=runtime.portable_loads(device), INTERPRET=runtime.interpreting())
+        self.kernel = FittedKernel(sparse_mla_kernel, ("sparse_mla", tuple(sorted(self.constexprs.items()))), tile)
+        self.tail = list(self.constexprs.values())  # the kernel's constexprs up to the tile's, in its order
 
-    launch_fitting(("sparse_mla", tuple(sorted(constexprs.items()))), plan.tile, launch)
+    def __call__(self, q, main: Source, extra: Optional[Source], len_div: int, sink, sm_scale: float, out, lse,
+                 max_logits, num_splits: int, ws) -> None:
+        heads = q.shape[1]
+        x = extra or main
+        po, plse = (None, None) if ws is None else (ws.partial_out, ws.partial_lse)
 
+        def bind(tile: TileConfig):
+            hb = -(-self.per_group // tile.block_h)
+            return (self.rows * hb, num_splits, 1), [
+                q, q.stride(0), q.stride(1),
+                main.indices, main.indices.stride(0), main.indices.stride(1), main.indices.shape[-1], main.length,
+                len_div, main.kv, main.stride_block, main.stride_row, main.stride_group, main.page, main.rows,
+                x.indices, x.indices.stride(0), x.indices.shape[-1], x.length, x.kv, x.stride_block, x.stride_row,
+                x.page, x.rows,
+                sink, out, out.stride(0), out.stride(1), lse, max_logits, po, plse,
+                heads, self.per_group, hb, num_splits, sm_scale * math.log2(math.e),
+                *self.tail, tile.block_h, tile.block_n, tile.skip_scale, tile.num_stages]
 
-def kernel_choice(p) -> str:
-    """Which kernel the sparse launchers run for ``p``, and why (``explain()``)."""
-    if p.op != "sparse_prefill":
-        tile = sparse_config(runtime.device_kind(p.device), p.q.shape[2], p.fmt.is_quantized)
-        return hopper.describe(hopper.sparse_decode_reasons(p, tile), "sparse")
-    tile = sparse_config(runtime.device_kind(p.q.device), p.q.shape[1] // p.kv.shape[1], False)
-    q, kv, indices = (_last_dim_contiguous(t) for t in (p.q, p.kv, p.indices))  # as the launcher passes them
-    return hopper.describe(hopper.sparse_prefill_reasons(q, kv, indices, tile), "sparse")
+        self.kernel(bind)
 
 
-def sparse_prefill(p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``flash_mla_sparse_fwd`` on the Triton tier (``p``: :class:`anymla.problems.SparsePrefill`)."""
-    q = _last_dim_contiguous(p.q)
-    kv = _last_dim_contiguous(p.kv)
-    s_q, h_q, _ = q.shape
-    s_kv, h_kv, _ = kv.shape
-    tile = sparse_config(runtime.device_kind(q.device), h_q // h_kv, False)
-    # kv is one page holding every row: slot = row, so the paged addressing reduces to row * stride(0).
-    main = _Source(kv, KVCacheFormat.BF16, max(s_kv, 1), 0, kv.stride(0), kv.stride(1), s_kv,
-                   _last_dim_contiguous(p.indices), p.topk_length)
-    out = buffers.empty(s_q, h_q, p.d_v, dtype=q.dtype, device=q.device)
-    lse = buffers.empty(s_q, h_q, dtype=torch.float32, device=q.device)
-    max_logits = buffers.empty(*lse.shape, dtype=lse.dtype, device=lse.device)
-    if s_q and hopper.use(hopper.sparse_prefill_reasons(q, kv, main.indices, tile)):
-        hopper.launch_sparse_prefill(q, kv, main.indices, p.topk_length, p.attn_sink, p.sm_scale, out, lse,
-                                     max_logits)
-    elif s_q:
-        _launch(q, main, None, 1, p.attn_sink, p.sm_scale, out, lse, max_logits, SplitPlan(tile, 1))
-    return out, max_logits, lse
+class SparsePrefillPlan:
+    """``flash_mla_sparse_fwd`` on the Triton tier for one signature (``p``: a validated SparsePrefill)."""
+
+    def __init__(self, p):
+        q, kv, indices = (_last_dim_contiguous(t) for t in (p.q, p.kv, p.indices))  # as the launch passes them
+        s_q, h_q, d = q.shape
+        h_kv = kv.shape[1]
+        tile = sparse_config(runtime.device_kind(q.device), h_q // h_kv, False)
+        reasons = hopper.sparse_prefill_reasons(q, kv, indices, tile)
+        self.hopper = hopper.use(reasons)
+        if self.hopper:
+            self.launch = hopper.SparsePrefillLaunch(q, kv, p.topk_length is not None, p.attn_sink is not None)
+        else:
+            self.launch = _Portable(q.device, tile, d, KVCacheFormat.BF16, None, p.topk_length is not None, False,
+                                    p.attn_sink is not None, True, False, s_q, h_q, h_kv)
+        self.description = hopper.describe(reasons, "sparse", tile, 1)
+
+    def __call__(self, p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, kv, indices = (_last_dim_contiguous(t) for t in (p.q, p.kv, p.indices))
+        s_q, h_q, _ = q.shape
+        out = buffers.empty(s_q, h_q, p.d_v, dtype=q.dtype, device=q.device)
+        lse = buffers.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+        max_logits = buffers.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+        if not s_q:
+            return out, max_logits, lse
+        if self.hopper:
+            self.launch(q, kv, indices, p.topk_length, p.attn_sink, p.sm_scale, out, lse, max_logits)
+        else:
+            # kv is one page holding every row: slot = row, so the paged addressing reduces to row * stride(0).
+            s_kv = kv.shape[0]
+            main = Source(kv, max(s_kv, 1), 0, kv.stride(0), kv.stride(1), s_kv, indices, p.topk_length)
+            self.launch(q, main, None, 1, p.attn_sink, p.sm_scale, out, lse, max_logits, 1, None)
+        return out, max_logits, lse
 
 
-def _decode_plan(p, tokens: int, h_q: int) -> SplitPlan:
-    kind = runtime.device_kind(p.device)
-    tile = sparse_config(kind, h_q, p.fmt.is_quantized)
-    programs = tokens * triton.cdiv(h_q, tile.block_h)
-    keys = p.indices.shape[-1] + (0 if p.extra_indices is None else p.extra_indices.shape[-1])
-    splits = choose_num_splits(programs, triton.cdiv(keys, tile.block_n), runtime.num_cores(p.device),
-                               tile.programs_per_core, p.batch_invariant)
-    return make_plan(tile, splits, tokens, h_q, p.device)
+class SparseDecodePlan:
+    """Sparse ``flash_mla_with_kvcache`` on the Triton tier for one signature (``p``: a validated SparseDecode).
+    A call returns out ``[b, s_q, h_q, 512]`` and lse ``[b, s_q, h_q]`` (contiguous)."""
 
+    def __init__(self, p):
+        b, s_q, h_q, d = p.q.shape
+        self.tokens = tokens = b * s_q
+        self.fmt, self.x_fmt = fmt, x_fmt = p.fmt, p.extra_fmt
+        tile = sparse_config(runtime.device_kind(p.device), h_q, fmt.is_quantized)
+        keys = p.indices.shape[-1] + (0 if p.extra_indices is None else p.extra_indices.shape[-1])
+        self.num_splits = choose_num_splits(tokens * triton.cdiv(h_q, tile.block_h), triton.cdiv(keys, tile.block_n),
+                                            runtime.num_cores(p.device), tile.programs_per_core, p.batch_invariant)
+        split = self.num_splits > 1
+        has_x = p.extra_k_cache is not None
+        has_len, has_x_len, has_sink = p.topk_length is not None, p.extra_topk_length is not None, \
+            p.attn_sink is not None
+        reasons = hopper.sparse_decode_reasons(p, tile)
+        self.hopper = hopper.use(reasons)
+        if self.hopper:
+            self.launch = hopper.SparseDecodeLaunch(tokens, h_q, d, _FMT_CODE[fmt], _FMT_CODE[x_fmt or fmt], has_x,
+                                                    has_len, has_x_len, has_sink, split)
+        else:
+            self.launch = _Portable(p.device, tile, d, fmt, x_fmt, has_len, has_x_len, has_sink, False, split,
+                                    tokens, h_q, 1)
+        self.combine = Combine(self.num_splits) if split else None
+        self.description = hopper.describe(reasons, "sparse", tile, self.num_splits)
 
-def sparse_decode(p) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse ``flash_mla_with_kvcache`` on the Triton tier (``p``: :class:`anymla.problems.SparseDecode`).
-
-    Returns out ``[b, s_q, h_q, 512]`` and lse ``[b, s_q, h_q]`` (contiguous)."""
-    b, s_q, h_q, d = p.q.shape
-    tokens = b * s_q
-    q = _last_dim_contiguous(p.q).reshape(tokens, h_q, d)
-    if p.sched is not None:
-        plan = p.sched.plan_for("triton", lambda: _decode_plan(p, tokens, h_q))
-    else:
-        plan = _decode_plan(p, tokens, h_q)
-    main = _Source.paged(p.k_cache, p.fmt, p.indices, p.topk_length)
-    extra = None if p.extra_k_cache is None else \
-        _Source.paged(p.extra_k_cache, p.extra_fmt, p.extra_indices, p.extra_topk_length)
-    out = buffers.empty(b, s_q, h_q, p.d_v, dtype=q.dtype, device=q.device)
-    lse = buffers.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
-    o3, l2 = out.view(tokens, h_q, p.d_v), lse.view(tokens, h_q)
-    if hopper.use(hopper.sparse_decode_reasons(p, plan.tile)):
-        hopper.launch_sparse_decode(q, main, extra, s_q, p.attn_sink, p.sm_scale, o3, l2, plan)
-    else:
-        _launch(q, main, extra, s_q, p.attn_sink, p.sm_scale, o3, l2, None, plan)
-    if plan.num_splits > 1:
-        combine(plan, o3, l2, 1, (o3.stride(0), 0, o3.stride(1)), (l2.stride(0), 0, l2.stride(1)), p.attn_sink)
-    return out, lse
+    def __call__(self, p) -> tuple[torch.Tensor, torch.Tensor]:
+        b, s_q, h_q, d = p.q.shape
+        tokens = self.tokens
+        q = _last_dim_contiguous(p.q).reshape(tokens, h_q, d)
+        main = Source.paged(p.k_cache, self.fmt, p.indices, p.topk_length)
+        extra = None if p.extra_k_cache is None else \
+            Source.paged(p.extra_k_cache, self.x_fmt, p.extra_indices, p.extra_topk_length)
+        out = buffers.empty(b, s_q, h_q, p.d_v, dtype=q.dtype, device=q.device)
+        lse = buffers.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
+        o3, l2 = out.view(tokens, h_q, p.d_v), lse.view(tokens, h_q)
+        ws = None
+        if self.combine is not None:
+            make = lambda: workspaces(self.num_splits, tokens, h_q, q.device)  # noqa: E731
+            ws = p.sched.plan_for("triton", make) if p.sched is not None else make()
+        if self.hopper:
+            self.launch(q, main, extra, s_q, p.attn_sink, p.sm_scale, o3, l2, self.num_splits, ws)
+        else:
+            self.launch(q, main, extra, s_q, p.attn_sink, p.sm_scale, o3, l2, None, self.num_splits, ws)
+        if self.combine is not None:
+            self.combine(ws, o3, l2, 1, (o3.stride(0), 0, o3.stride(1)), (l2.stride(0), 0, l2.stride(1)), p.attn_sink)
+        return out, lse

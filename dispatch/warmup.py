@@ -1,0 +1,94 @@
+"""``anymla.warmup``: make every decision and compile every kernel a serving configuration can reach, before
+the first request.
+
+A server meets a new batch size every few steps. Each new call signature costs one validation and one
+launch plan, and the first plan of a kernel regime costs a compile (hundreds of ms to seconds); both land
+on a request's latency. :func:`warmup` takes the arguments of one real call and replays it at every batch size
+of a range (for prefill: every token count), with inputs of the same layouts, so that afterwards no call of
+that configuration validates a new signature, plans or compiles on first use, and the caching allocator
+already holds blocks of every output size. Cache lengths (``cache_seqlens``, ``topk_length`` values) are not
+part of a signature: any value reuses the same plan.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Union
+
+import torch
+
+from . import selection
+from .api import _OPS, _problem
+
+
+def _compiled_kernels() -> int:
+    """Distinct compiled Triton kernels anymla has launched in this process (0 without triton)."""
+    try:
+        from anymla.triton_kernels.launcher import compiled_kernels
+    except ImportError:
+        return 0
+    return compiled_kernels()
+
+# Arguments whose first dimension is the batch (decoding) or the token count (prefill), per op.
+_BATCHED = {
+    "flash_mla_with_kvcache": ("q", "block_table", "cache_seqlens", "indices", "topk_length",
+                               "extra_indices_in_kvcache", "extra_topk_length"),
+    "flash_mla_sparse_fwd": ("q", "indices", "topk_length"),
+}
+# Values for the replayed calls: nothing attendable (no row is read), so any cache works.
+_FILL = {"indices": -1, "extra_indices_in_kvcache": -1, "cache_seqlens": 0, "topk_length": 0,
+         "extra_topk_length": 0, "block_table": 0}
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    op: str
+    sizes: int  # batch sizes (token counts for prefill) replayed
+    decisions: int  # new call signatures validated and planned
+    kernels: int  # kernels compiled (or loaded from Triton's cache) for the first time in this process; 0 under
+    # Triton's interpreter, which compiles nothing
+    seconds: float
+
+    def __str__(self) -> str:
+        return (f"anymla.warmup {self.op}: {self.sizes} sizes, {self.decisions} new decisions, {self.kernels} "
+                f"kernels compiled or loaded, {self.seconds:.2f} s")
+
+
+def _resized(name: str, t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t`` with ``n`` rows in the same layout (strides) as the example, filled with a harmless value."""
+    out = torch.empty_strided((n, *t.shape[1:]), t.stride(), dtype=t.dtype, device=t.device)
+    return out.fill_(_FILL.get(name, 0))
+
+
+def warmup(op: Union[str, Callable], sizes: Iterable[int] = range(1, 257), **example) -> WarmupReport:
+    """Replay the call ``op(**example)`` at every batch size in ``sizes`` (prefill: every token count).
+
+    ``example`` holds the keyword arguments of one real call of the configuration (the cache, head count,
+    formats, page size and the layouts of the per-request tensors are taken from it; its values are not
+    used). Runs each replay for real on the device (with nothing attendable, so it is fast) and
+    synchronizes once at the end. Returns how many new decisions and kernels that took.
+    """
+    fn = _OPS.get(op) if isinstance(op, str) else op
+    if fn not in _OPS.values():
+        raise ValueError(f"op: expected one of {', '.join(_OPS)} (or the function), got {op!r}")
+    name = next(k for k, v in _OPS.items() if v is fn)
+    sizes = sorted(set(int(s) for s in sizes))
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"sizes: expected positive batch sizes, got {sizes[:4]}...")
+    _problem(fn, (), example).validate()  # a bad example fails here, naming the argument
+    decisions0, kernels0, t0 = selection.decisions_made(), _compiled_kernels(), time.perf_counter()
+    device = None
+    for n in sizes:
+        args = dict(example)
+        for key in _BATCHED[name]:
+            if isinstance(args.get(key), torch.Tensor):
+                args[key] = _resized(key, args[key], n)
+        if "tile_scheduler_metadata" in args:
+            args["tile_scheduler_metadata"] = None
+        out = fn(**args)
+        device = out[0].device
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return WarmupReport(name, len(sizes), selection.decisions_made() - decisions0, _compiled_kernels() - kernels0,
+                        time.perf_counter() - t0)
