@@ -101,7 +101,8 @@ def test_writer_errors_name_the_argument():
     with pytest.raises(TypeError, match="slots"):
         write_cache(cache, torch.zeros(3, 576), torch.zeros(3))
     with pytest.raises(ValueError, match="cache"):
-        write_cache(torch.zeros(2, 4, 1, 600, dtype=torch.uint8), torch.zeros(3, 576), torch.zeros(3, dtype=torch.int32))
+        write_cache(torch.zeros(2, 4, 1, 600, dtype=torch.uint8), torch.zeros(3, 576),
+                    torch.zeros(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="backend"):
         write_cache(cache, torch.zeros(3, 576), torch.zeros(3, dtype=torch.int32), backend="cuda")
 
@@ -174,8 +175,8 @@ def test_kernels_compile_for_hopper_and_ampere_without_spills():
     import sys
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "anymla.triton_kernels.cache_write.compile_check", "--arch", "90", "80"],
-                         capture_output=True, text=True, env=env, timeout=600)
+    run = subprocess.run([sys.executable, "-m", "anymla.triton_kernels.cache_write.compile_check",
+                          "--arch", "90", "80"], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("sm/")]
     assert len(lines) == 16 and all(" spills    0 B" in ln and "fits" in ln for ln in lines), run.stdout

@@ -138,7 +138,8 @@ def _run_requests(layer, xs, prompt_lens, fmt, page=4, indices=None):
         for k in range(steps[0]):
             pos = torch.tensor([[p + k] for p in prompt_lens])
             x = torch.cat([x[:, p + k:p + k + 1] for x, p in zip(xs, prompt_lens)]).bfloat16()
-            idx = None if indices is None else torch.cat([ind[:, p + k:p + k + 1] for ind, p in zip(indices, prompt_lens)])
+            idx = None if indices is None else torch.cat([ind[:, p + k:p + k + 1]
+                                                          for ind, p in zip(indices, prompt_lens)])
             out = layer(x, pos, cache, table, (pos[:, 0] + 1).int(), indices=idx)
             for i in range(len(xs)):
                 outs[i].append(out[i:i + 1])

@@ -106,7 +106,8 @@ def _check_q(q_nope_abs, q_pe, positions, out):
     if positions.shape != (n,):
         raise ValueError(f"positions: expected [T] = [{n}], got {tuple(positions.shape)}")
     if out is not None and (out.shape != (n, h, 576) or out.stride(-1) != 1):
-        raise ValueError(f"out: expected [T, h, 576] = [{n}, {h}, 576] with a contiguous last dim, got {tuple(out.shape)}")
+        raise ValueError(f"out: expected [T, h, 576] = [{n}, {h}, 576] with a contiguous last dim, "
+                         f"got {tuple(out.shape)}")
 
 
 def assemble_q(q_nope_abs: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor, rope: RopeTable, *,
