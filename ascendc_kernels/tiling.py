@@ -249,11 +249,18 @@ def _l0_buffers(soc: SocSpec, partial_cols: int) -> list[Buffer]:
     return buffers
 
 
-def _ub_buffers(shape: KernelShape, gather_chunk: int, drain_chunk: int) -> list[Buffer]:
+# Gather parameters of one block of 64 keys: indices then slots (int32), lane numbers, page numbers, the compare
+# mask, zeros (256 B each), and the own 32 keys' int64 byte offsets plus an int64 scratch (256 B each).
+GATHER_PARAMS_BYTES = 5 * 256 + 2 * 256
+DECODE_TABLE_FLOATS = 16  # the e2m1 code -> value table (FP8 values and all scales convert natively on the 950)
+
+
+def _ub_buffers(shape: KernelShape, gather_chunk: int, drain_chunk: int, kv_stages: int) -> list[Buffer]:
     """One vector core's UB: its 32 heads' O accumulator and softmax state, its half of each key block.
 
     ``kv_nz`` has one padding row per 16-column block (FlashMLA's trick against UB bank conflicts in
-    the ND -> NZ copy). The two ``o_drain`` stages also stage the bf16 output in the epilogue.
+    the ND -> NZ copy). The two ``o_drain`` stages also stage the bf16 output in the epilogue. Same order
+    and sizes as ``UbLayout`` in ``sparse_attention_v41/op_kernel/layout.h`` (tests compare the two).
     """
     rows = HEADS_PER_VECTOR_CORE
     widest = max(ub_row_bytes(f) for f in shape.formats)
@@ -268,20 +275,21 @@ def _ub_buffers(shape: KernelShape, gather_chunk: int, drain_chunk: int) -> list
         # alpha (per block parity), row max, row sum, sink, scale: 64 floats each (one 256 B vector repeat)
         Buffer("UB", "row_state", ROW_STATE_VECTORS * 64 * 4),
         Buffer("UB", "row_broadcast (one 32 B block per row)", HEADS_PER_VECTOR_CORE * _UB_ALIGN),
-        Buffer("UB", "key_bias (0 / -inf per key, 2 stages)", 2 * B_TOPK * 4),
+        Buffer("UB", "key_bias (0 / -inf per key, one per L1 key stage)", kv_stages * B_TOPK * 4),
         Buffer("UB", "mailbox_word", _UB_ALIGN),
+        Buffer("UB", "gather_params (one block's slots, lanes, pages, mask, zeros, int64 offsets)",
+               GATHER_PARAMS_BYTES),
         Buffer("UB", "kv_raw[0]", gather_chunk * widest),
         Buffer("UB", "kv_raw[1]", gather_chunk * widest),
         Buffer("UB", "kv_nz[0]", (D_QK // 16) * (gather_chunk + 1) * _UB_ALIGN),
         Buffer("UB", "kv_nz[1]", (D_QK // 16) * (gather_chunk + 1) * _UB_ALIGN),
     ]
     if any(f.is_quantized for f in shape.formats):
-        # e4m3, e8m0 (256 fp32 each) and e2m1 (16, padded to 64) code -> value tables
-        buffers.append(Buffer("UB", "decode_tables", (256 + 256 + 64) * 4))
+        buffers.append(Buffer("UB", "decode_table (e2m1)", DECODE_TABLE_FLOATS * 4))
         # gather offsets of the scale of element i (tiles of 32 and 16) and of the FP4 nibble interleave
         buffers.append(Buffer("UB", "dequant_offsets", 3 * D_QK * 4))
-        # one row: codes as half, offsets (int32), FP4 nibbles (int32), values, expanded scales, tile scales, bf16
-        buffers.append(Buffer("UB", "dequant_scratch", D_QK * (2 + 4 + 4 + 4 + 4 + 2) + 64 * 4))
+        # one row: code offsets, FP4 nibbles (uint32), values, expanded scales (fp32), tile scales, bf16 row
+        buffers.append(Buffer("UB", "dequant_scratch", D_QK * (4 + 4 + 4 + 4) + 64 * 4 + D_QK * 2))
     return buffers
 
 
@@ -336,11 +344,11 @@ def plan(shape: KernelShape, soc: str | SocSpec, cores: Optional[int] = None) ->
     kv_stages = _largest(range(_MAX_KV_STAGES, 1, -1), "L1", soc, lambda s: _l1_buffers(soc, s))
     partial_cols = _largest((D_V,) + _PARTIAL_CHUNKS, "L0C", soc, lambda c: _l0_buffers(soc, c))
     drain_chunk = min(partial_cols, _DRAIN_CHUNKS[0])
-    gather_chunk = _largest(_GATHER_CHUNKS, "UB", soc, lambda g: _ub_buffers(shape, g, drain_chunk))
+    gather_chunk = _largest(_GATHER_CHUNKS, "UB", soc, lambda g: _ub_buffers(shape, g, drain_chunk, kv_stages))
     for memory in ("L0A", "L0B"):
         if not _fits(_l0_buffers(soc, partial_cols), soc, memory):
             raise ValueError(f"tiling: the L0 operands do not fit {memory} of {soc.name}")
     buffers = (_l1_buffers(soc, kv_stages) + _l0_buffers(soc, partial_cols)
-               + _ub_buffers(shape, gather_chunk, drain_chunk) + _gm_buffers(soc, kv_stages, partial_cols))
+               + _ub_buffers(shape, gather_chunk, drain_chunk, kv_stages) + _gm_buffers(soc, kv_stages, partial_cols))
     ranges = split_units(shape.units, soc.aic_cores if cores is None else cores)
     return Tiling(soc, shape, kv_stages, gather_chunk, drain_chunk, partial_cols, ranges, tuple(buffers))

@@ -107,7 +107,8 @@ SparseAttentionV41Tiling Plan(int64_t tokens, int64_t heads, uint32_t topk, uint
     return t;
 }
 
-// Code -> value tables the vector cores dequantize with: e4m3 (256), e8m0 (256), e2m1 (16, padded to 64).
+// The e2m1 code -> value table the vector cores decode FP4 values with (kDecodeTableFloats entries; codes 8-15
+// are the negatives of 0-7). FP8 values and scales are converted natively on the 950 (vector_core.h).
 at::Tensor DecodeTables(const at::Device& device)
 {
     static std::mutex lock;
@@ -115,16 +116,13 @@ at::Tensor DecodeTables(const at::Device& device)
     std::lock_guard<std::mutex> guard(lock);
     auto it = tables.find(device.index());
     if (it == tables.end()) {
-        const auto bytes = at::arange(256, at::TensorOptions().dtype(at::kInt));
-        const auto e4m3 = bytes.to(at::kByte).view(at::kFloat8_e4m3fn).to(at::kFloat);
-        const auto e8m0 = bytes.bitwise_left_shift(23).view(at::kFloat);
         const std::array<float, 8> magnitudes{0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-        auto e2m1 = at::zeros({64}, at::kFloat);
-        for (int code = 0; code < 16; ++code) {
+        auto e2m1 = at::zeros({static_cast<int64_t>(kDecodeTableFloats)}, at::kFloat);
+        for (int code = 0; code < static_cast<int>(kDecodeTableFloats); ++code) {
             const float m = magnitudes[code & 7];
             e2m1[code] = (code & 8) ? -m : m;
         }
-        it = tables.emplace(device.index(), at::cat({e4m3, e8m0, e2m1}).to(device)).first;
+        it = tables.emplace(device.index(), e2m1.to(device)).first;
     }
     return it->second;
 }

@@ -15,7 +15,7 @@ struct SparseAttentionV41Buffers {
     void* extra_indices;      // [T, extra_topk] int32, contiguous
     void* extra_topk_length;  // [T] int32 or nullptr
     void* attn_sink;          // [h_q] fp32 or nullptr
-    void* decode_tables;      // 576 fp32: e4m3 (256), e8m0 (256), e2m1 (16) code -> value
+    void* decode_tables;      // kDecodeTableFloats fp32: the e2m1 code -> value table
     void* out;                // [T, h_q, 512] bf16
     void* max_logits;         // [T, h_q] fp32
     void* lse;                // [T, h_q] fp32

@@ -69,13 +69,13 @@ private:
         WaitFlag<HardEvent::MTE1_MTE2>(Ev(slot));  // the unit two back has finished reading this slot
         for (uint32_t half = 0; half < 2; ++half) {
             Nd2NzParams nz;
-            nz.ndNum = 1;
-            nz.nValue = kHeadsPerTile;
-            nz.dValue = kHeadDim / 2;
+            nz.ndNum = kQNdNum;
+            nz.nValue = kQNValue;
+            nz.dValue = kQDValue;
             nz.srcNdMatrixStride = 0;
-            nz.srcDValue = kHeadDim;
-            nz.dstNzC0Stride = kHeadsPerTile;
-            nz.dstNzNStride = 1;
+            nz.srcDValue = kQSrcDValue;
+            nz.dstNzC0Stride = kQDstNzC0Stride;
+            nz.dstNzNStride = kQDstNzNStride;
             nz.dstNzMatrixStride = 0;
             DataCopy(L1<bfloat16_t>(L1Layout::Q(slot, half)), q_[row * kHeadDim + half * (kHeadDim / 2)], nz);
         }
@@ -93,11 +93,10 @@ private:
         for (uint32_t half = 0; half < 2; ++half) {
             const uint32_t pp = NextOperand();
             WaitFlag<HardEvent::M_MTE1>(Ev(pp));
-            LoadFractals(L0a<bfloat16_t>(pp * L0Layout::kOperand), L1<bfloat16_t>(L1Layout::Q(qslot, half)),
-                         kHeadsPerTile * (kHeadDim / 2) / 256, false);
-            // K^T as the B operand: the token-major NZ key tile already has 16 d-values per token contiguous.
-            LoadFractals(L0b<bfloat16_t>(pp * L0Layout::kOperand), L1<bfloat16_t>(L1Layout::Kv(kv, half)),
-                         kBlockTopk * (kHeadDim / 2) / 256, false);
+            LoadFractals(L0a<bfloat16_t>(pp * L0Layout::kOperand), L1<bfloat16_t>(L1Layout::Q(qslot, half)), 0,
+                         kQLoadRepeat, 1, false);
+            // K^T as the B operand (Zn [d, keys]): the Nz key tile of K [keys, d] is that layout already.
+            LoadKeyOperand(pp, kv, half, kKtLoads, kKtStartStep, kKtRepeat, kKtSrcStride, kKtDstStep, kKtTranspose);
             SetFlag<HardEvent::MTE1_M>(Ev(pp));
             WaitFlag<HardEvent::MTE1_M>(Ev(pp));
             MatMul(L0c<float>(L0Layout::Logits(slot)), L0a<bfloat16_t>(pp * L0Layout::kOperand),
@@ -113,7 +112,7 @@ private:
             Await(kLogitsFree);  // the vector cores are done with UB logits stage `slot` (block g - 2)
         }
         FixpipeRowSplit(Ub<float>(U::kLogits + slot * kHeadsPerVectorCore * kBlockTopk * 4),
-                        L0c<float>(L0Layout::Logits(slot)), kHeadsPerTile, kBlockTopk, kHeadsPerTile, kBlockTopk);
+                        L0c<float>(L0Layout::Logits(slot)), kHeadsPerTile, kLogitsFixN, kLogitsFixDstStride);
         SetFlag<HardEvent::FIX_M>(Ev(slot));
         Signal<PIPE_FIX>(kLogitsReady);
     }
@@ -134,15 +133,14 @@ private:
         for (uint32_t half = 0; half < 2; ++half) {  // output columns [256 half, 256 half + 256)
             const uint32_t pp = NextOperand();
             WaitFlag<HardEvent::M_MTE1>(Ev(pp));
-            // A = P [64 heads, 64 keys]: keys [0, 32) in bank 0, [32, 64) in bank 1.
-            const uint32_t key_half_elems = kHeadsPerTile * (kBlockTopk / 2);
-            LoadFractals(L0a<bfloat16_t>(pp * L0Layout::kOperand), L1<bfloat16_t>(L1Layout::Probs(slot, 0)),
-                         key_half_elems / 256, false);
-            LoadFractals(L0a<bfloat16_t>(pp * L0Layout::kOperand + key_half_elems * 2),
-                         L1<bfloat16_t>(L1Layout::Probs(slot, 1)), key_half_elems / 256, false);
-            // B = V [64 keys, 256 d]: the key tile's half `half`, each fractal transposed.
-            LoadFractals(L0b<bfloat16_t>(pp * L0Layout::kOperand), L1<bfloat16_t>(L1Layout::Kv(kv, half)),
-                         kBlockTopk * (kHeadDim / 2) / 256, true);
+            // A = P [64 heads, 64 keys] (Nz): keys [0, 32) from bank 0, then [32, 64) from bank 1.
+            for (uint32_t keys = 0; keys < 2; ++keys) {
+                LoadFractals(L0a<bfloat16_t>(pp * L0Layout::kOperand + keys * kProbsLoadRepeat * kFractalBytes),
+                             L1<bfloat16_t>(L1Layout::Probs(slot, keys)), 0, kProbsLoadRepeat, 1, false);
+            }
+            // B = V [64 keys, 256 d] of the key tile's half `half`, as Zn: key block by key block, each fractal
+            // transposed (a single load in source order would leave the blocks d-major: the PV operand wrong).
+            LoadKeyOperand(pp, kv, half, kVLoads, kVStartStep, kVRepeat, kVSrcStride, kVDstStep, kVTranspose);
             SetFlag<HardEvent::MTE1_M>(Ev(pp));
             WaitFlag<HardEvent::MTE1_M>(Ev(pp));
             MatMul(L0c<float>(L0Layout::kPartial + half * kHeadsPerTile * (kHeadDim / 2) * 4),
@@ -169,11 +167,23 @@ private:
             // In L0C NZ a column chunk is contiguous: kDrainChunk / 16 column blocks of 64 rows.
             FixpipeRowSplit(Ub<float>(U::kDrain + stage * kHeadsPerVectorCore * kDrainChunk * 4),
                             L0c<float>(L0Layout::kPartial + chunk * kHeadsPerTile * kDrainChunk * 4), kHeadsPerTile,
-                            kDrainChunk, kHeadsPerTile, kDrainChunk);
+                            kDrainFixN, kDrainFixDstStride);
             Signal<PIPE_FIX>(kDrainReady);
         }
         SetFlag<HardEvent::FIX_M>(kEvPartial);
         WaitFlag<HardEvent::FIX_M>(kEvPartial);
+    }
+
+    // A key tile half (L1 Nz of K [64 keys, 256 d]) into L0B half `pp` as `loads` LoadData calls; call i takes
+    // `repeat` fractals from fractal i * start_step, src_stride apart, and writes them at i * dst_step fractals
+    // (the Q K^T and P V parameter sets of data_paths.h).
+    __aicore__ inline void LoadKeyOperand(uint32_t pp, uint32_t kv, uint32_t half, uint32_t loads, uint32_t start_step,
+                                          uint32_t repeat, uint32_t src_stride, uint32_t dst_step, uint32_t transpose)
+    {
+        for (uint32_t i = 0; i < loads; ++i) {
+            LoadFractals(L0b<bfloat16_t>(pp * L0Layout::kOperand + i * dst_step * kFractalBytes),
+                         L1<bfloat16_t>(L1Layout::Kv(kv, half)), i * start_step, repeat, src_stride, transpose != 0);
+        }
     }
 
     __aicore__ inline uint32_t NextOperand() { return (operand_++) & 1; }

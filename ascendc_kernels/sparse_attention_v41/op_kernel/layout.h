@@ -1,7 +1,9 @@
 // Buffer layouts (bytes) of the sparse_attention_v41 kernel, the per-core work split, and kernel parameters.
-// Sizes must match anymla/ascendc_kernels/tiling.py's plan for Ascend 950.
+// Sizes must match anymla/ascendc_kernels/tiling.py's plan for Ascend 950 (tests/test_ascendc_layout.py parses
+// this file and checks every UbLayout's end against it); the layout model reads the offsets from here too.
 #pragma once
 
+#include "data_paths.h"
 #include "platform.h"
 
 namespace anymla_ascendc::device {
@@ -10,37 +12,31 @@ constexpr uint32_t kKB = 1024;
 constexpr float kNegInit = -1.0e30f;  // initial maxima: finite, so m_run - m_use never computes inf - inf
 constexpr float kInf = __builtin_inff();
 
-__aicore__ constexpr uint32_t UbRowBytes(KvFormat f)
-{
-    return f == KvFormat::kBf16 ? 1024 : f == KvFormat::kFp8 ? 544 : f == KvFormat::kFp4 ? 288 : 0;
-}
-__aicore__ constexpr uint32_t GmRowBytes(KvFormat f)
-{
-    return f == KvFormat::kBf16 ? 1024 : f == KvFormat::kFp8 ? 528 : f == KvFormat::kFp4 ? 288 : 0;
-}
-
 template <KvFormat MAIN, KvFormat EXTRA>
 struct UbLayout {
     static constexpr uint32_t kChunk = MAIN == KvFormat::kBf16 ? kGatherChunkBf16 : kGatherChunkFp8;
-    static constexpr uint32_t kRow = UbRowBytes(MAIN) > UbRowBytes(EXTRA) ? UbRowBytes(MAIN) : UbRowBytes(EXTRA);
+    static constexpr uint32_t kPitch = RawPitch(MAIN, EXTRA);  // bytes between gathered rows (data_paths.h)
     static constexpr bool kQuantized = MAIN != KvFormat::kBf16;
     static constexpr uint32_t kRows = kHeadsPerVectorCore;
+    static constexpr uint32_t kIndexBytes = 1792;
+    static constexpr uint32_t kScratchBytes = 4 * 2048 + 256 + 1024;
 
-    static constexpr uint32_t kAcc = 0;                                     // [32, 512] fp32
-    static constexpr uint32_t kDrain = kAcc + kRows * kHeadDim * 4;         // 2 x [32, 128] fp32
+    static constexpr uint32_t kAcc = 0;                                        // [32, 512] fp32
+    static constexpr uint32_t kDrain = kAcc + kRows * kHeadDim * 4;            // 2 x [32, 128] fp32
     static constexpr uint32_t kLogits = kDrain + 2 * kRows * kDrainChunk * 4;  // 2 x [32, 64] fp32
     static constexpr uint32_t kProbs = kLogits + 2 * kRows * kBlockTopk * 4;   // 2 x [4][32][16] bf16 (NZ)
     static constexpr uint32_t kRowState = kProbs + 2 * kRows * kBlockTopk * 2; // 12 x 64 fp32
-    static constexpr uint32_t kBroadcast = kRowState + 12 * 64 * 4;         // [32][8] fp32
-    static constexpr uint32_t kKeyBias = kBroadcast + kRows * 32;           // 2 x 64 fp32
-    static constexpr uint32_t kMailbox = kKeyBias + 2 * kBlockTopk * 4;     // one word, 32 B
-    static constexpr uint32_t kRaw = kMailbox + 32;                         // 2 x chunk rows
-    static constexpr uint32_t kNz = kRaw + 2 * kChunk * kRow;               // 2 x [32][chunk + 1][16] bf16
-    static constexpr uint32_t kTables = kNz + 2 * (kHeadDim / 16) * (kChunk + 1) * 32;
-    static constexpr uint32_t kOffsets = kTables + (kQuantized ? 576 * 4 : 0);    // 3 x 512 int32
+    static constexpr uint32_t kBroadcast = kRowState + 12 * 64 * 4;            // [32][8] fp32
+    static constexpr uint32_t kKeyBias = kBroadcast + kRows * 32;              // per L1 key slot: 64 fp32
+    static constexpr uint32_t kMailbox = kKeyBias + kKvStages * kBlockTopk * 4;  // one word, 32 B
+    static constexpr uint32_t kIndex = kMailbox + 32;                          // gather parameters (below)
+    static constexpr uint32_t kRaw = kIndex + kIndexBytes;                     // 2 x chunk rows at kPitch
+    static constexpr uint32_t kNz = kRaw + 2 * kChunk * kPitch;                // 2 x [32][chunk + 1][16] bf16
+    static constexpr uint32_t kTables = kNz + 2 * (kHeadDim / 16) * NzRows(kChunk) * kDataBlock;
+    static constexpr uint32_t kOffsets = kTables + (kQuantized ? kDecodeTableFloats * 4 : 0);  // 3 x 512 int32
     static constexpr uint32_t kScratch = kOffsets + (kQuantized ? 3 * 512 * 4 : 0);
-    static constexpr uint32_t kEnd = kScratch + (kQuantized ? 512 * 20 + 256 : 0);
-    static_assert(kEnd <= 248 * kKB, "UB plan exceeds the 248 KB usable per vector core on Ascend 950");
+    static constexpr uint32_t kEnd = kScratch + (kQuantized ? kScratchBytes : 0);
+    static_assert(kEnd <= kUbBytes, "UB plan exceeds the 248 KB usable per vector core on Ascend 950");
 
     // row_state vectors (64 floats each)
     static constexpr uint32_t RowVec(uint32_t i) { return kRowState + i * 256; }
@@ -52,14 +48,22 @@ struct UbLayout {
     static constexpr uint32_t kRowSum = kRowState + 9 * 256;
     static constexpr uint32_t kSink = kRowState + 10 * 256;
     static constexpr uint32_t kScale = kRowState + 11 * 256;
+    static constexpr uint32_t KeyBias(uint32_t slot) { return kKeyBias + slot * kBlockTopk * 4; }
+    // gather parameters of one block (kIndexLanes lanes)
+    static constexpr uint32_t kSlots = kIndex;                // int32: the block's indices, then slot or -1
+    static constexpr uint32_t kLanes = kIndex + 256;          // int32 0, 1, ..., 63 (filled once)
+    static constexpr uint32_t kPages = kIndex + 512;          // int32: slot / page_size, then slot % page_size
+    static constexpr uint32_t kLaneMask = kIndex + 768;       // compare bit mask of the 64 lanes
+    static constexpr uint32_t kZeros = kIndex + 1024;         // 64 x 0.0f (filled once)
+    static constexpr uint32_t kAddresses = kIndex + 1280;     // int64 byte offsets of the own 32 keys' rows
+    static constexpr uint32_t kAddressTmp = kIndex + 1536;    // int64 scratch
     // dequant scratch (one row)
-    static constexpr uint32_t kCodesHalf = kScratch;            // 512 half
-    static constexpr uint32_t kCodeOffsets = kCodesHalf + 1024; // 512 int32
-    static constexpr uint32_t kNibbles = kCodeOffsets + 2048;   // 512 int32 (FP4 low | high)
-    static constexpr uint32_t kValues = kNibbles + 2048;        // 512 fp32
-    static constexpr uint32_t kScales = kValues + 2048;         // 512 fp32
-    static constexpr uint32_t kTileScales = kScales + 2048;     // 64 fp32
-    static constexpr uint32_t kRowBf16 = kTileScales + 256;     // 512 bf16
+    static constexpr uint32_t kCodeOffsets = kScratch;           // 512 uint32 byte offsets into a table
+    static constexpr uint32_t kNibbles = kCodeOffsets + 2048;    // 512 uint32 (FP4 low nibbles | high nibbles)
+    static constexpr uint32_t kValues = kNibbles + 2048;         // 512 fp32
+    static constexpr uint32_t kScales = kValues + 2048;          // 512 fp32
+    static constexpr uint32_t kTileScales = kScales + 2048;      // 64 fp32 (FP8: built from their bits in place)
+    static constexpr uint32_t kRowBf16 = kTileScales + 256;      // 512 bf16
 };
 
 struct L1Layout {

@@ -1,10 +1,11 @@
-// The platform seam of the sparse_attention_v41 kernel: every use of an Ascend C (dav-3510) detail that could
-// not be checked without the CANN 9.x headers, so the first build on a CANN machine has one place to fix.
+// The platform seam of the sparse_attention_v41 kernel: the uses of Ascend C (dav-3510) details that could not
+// be checked without a CANN build, so the first build on a CANN machine has one place to look. The documented
+// behaviour each relies on is named next to it (asc-devkit's public docs; nothing is copied from them).
 #pragma once
 
 #include "kernel_operator.h"
 
-#include "tiling_data.h"
+#include "data_paths.h"
 
 using namespace AscendC;
 
@@ -41,48 +42,53 @@ __aicore__ inline uint32_t GroupIndex()
     return GetBlockIdx();
 }
 
-// A tensor at a fixed byte offset of an on-chip memory. Fixed offsets because the cube FixPipes into the
-// vector cores' UB, and because tensors are placed in a chosen L1 bank; both sides use the same layouts.
-template <typename T, TPosition POS>
+// A tensor at a fixed byte offset of an on-chip memory, built with the public static-tensor constructor
+// LocalTensor(TPosition, addr, tileSize) ("LocalTensor构造函数": addr in bytes, 32-byte aligned; tileSize in
+// elements, addr plus the size within the memory), so the tensor has a real length and CPU-debug builds can
+// check accesses. Fixed offsets because the cube FixPipes into the vector cores' UB and tensors are placed in a
+// chosen L1 bank; both sides use the layouts of layout.h. A tensor reaches to the end of its memory (not of its
+// buffer): layout.h's plan, checked against tiling.py, keeps buffers apart.
+template <typename T, TPosition POS, uint32_t MEMORY_BYTES>
 __aicore__ inline LocalTensor<T> At(uint32_t byte_offset)
 {
-    LocalTensor<T> t;
-    t.address_.logicPos = static_cast<uint8_t>(POS);
-    t.address_.bufferAddr = byte_offset;
-    t.address_.dataLen = 0;
-    return t;
+    return LocalTensor<T>(POS, byte_offset, (MEMORY_BYTES - byte_offset) / sizeof(T));
 }
-template <typename T> __aicore__ inline LocalTensor<T> Ub(uint32_t off) { return At<T, TPosition::VECCALC>(off); }
-template <typename T> __aicore__ inline LocalTensor<T> L1(uint32_t off) { return At<T, TPosition::A1>(off); }
-template <typename T> __aicore__ inline LocalTensor<T> L0a(uint32_t off) { return At<T, TPosition::A2>(off); }
-template <typename T> __aicore__ inline LocalTensor<T> L0b(uint32_t off) { return At<T, TPosition::B2>(off); }
-template <typename T> __aicore__ inline LocalTensor<T> L0c(uint32_t off) { return At<T, TPosition::CO1>(off); }
+template <typename T> __aicore__ inline LocalTensor<T> Ub(uint32_t off) { return At<T, TPosition::VECCALC, kUbBytes>(off); }
+template <typename T> __aicore__ inline LocalTensor<T> L1(uint32_t off) { return At<T, TPosition::A1, kL1Bytes>(off); }
+template <typename T> __aicore__ inline LocalTensor<T> L0a(uint32_t off) { return At<T, TPosition::A2, kL0aBytes>(off); }
+template <typename T> __aicore__ inline LocalTensor<T> L0b(uint32_t off) { return At<T, TPosition::B2, kL0bBytes>(off); }
+template <typename T> __aicore__ inline LocalTensor<T> L0c(uint32_t off) { return At<T, TPosition::CO1, kL0cBytes>(off); }
 
-// FixPipe an m x n fp32 tile of L0C (NZ, `src_rows` rows per 16-column block) to UB as row-major ND rows of
-// `dst_row` floats, rows [0, m/2) into vector core 0's UB and [m/2, m) into vector core 1's, both at `dst`
-// (the 950 "dual destination, row split" mode of the L0C -> UB path).
+// FixPipe to UB must say so: the Fixpipe doc ("L0C Buffer到UB数据搬运") forbids CFG_ROW_MAJOR / CFG_NZ /
+// CFG_COLUMN_MAJOR for this path and asks for a config built with isToUB = true; with isToUB = false the 950
+// implementation takes the L0C -> L1 path (kernel_operator_fixpipe_intf_impl.h), which would write the logits
+// and drains into L1 over the key tiles and leave UB unwritten. ROW_MAJOR = NZ2ND.
+constexpr FixpipeConfig kRowMajorToUb{CO2Layout::ROW_MAJOR, true};
+
+// FixPipe an m x n fp32 tile of L0C (Nz) to UB as row-major ND rows of `dst_row` floats, rows [0, m/2) into
+// vector core 0's UB and [m/2, m) into vector core 1's, both at `dst` (dual destination, split along M).
 __aicore__ inline void FixpipeRowSplit(const LocalTensor<float>& dst, const LocalTensor<float>& src, uint32_t m,
-                                       uint32_t n, uint32_t src_rows, uint32_t dst_row)
+                                       uint32_t n, uint32_t dst_row)
 {
     FixpipeParamsArch3510<CO2Layout::ROW_MAJOR> p;
     p.mSize = m;
     p.nSize = n;
-    p.srcStride = src_rows;
+    p.srcStride = kFixSrcStride;
     p.dstStride = dst_row;
-    p.dualDstCtl = 1;  // row split
-    Fixpipe<float, float, CFG_ROW_MAJOR>(dst, src, p);
+    p.dualDstCtl = kFixDualDstSplitM;
+    Fixpipe<float, float, kRowMajorToUb>(dst, src, p);
 }
 
-// L1 -> L0 moves of 16 x 16 bf16 fractals. L1, L0A and (on 3510) L0B-as-loaded all hold NZ tiles
-// ([column block][row][16]); `transpose` turns each fractal over, which gives the K-major B operand of
-// S V from the token-major key tile.
+// L1 -> L0A/L0B: `fractals` 512-byte fractals taken at `start`, `start + src_stride`, ... and written one after
+// the other (LoadData 2D; the 950 ignores dstGap), each turned over when `transpose` is set. The fractal order
+// is the caller's: data_paths.h derives it from the Nz / Zn formats Mmad expects.
 __aicore__ inline void LoadFractals(const LocalTensor<bfloat16_t>& dst, const LocalTensor<bfloat16_t>& src,
-                                    uint32_t fractals, bool transpose)
+                                    uint32_t start, uint32_t fractals, uint32_t src_stride, bool transpose)
 {
     LoadData2DParams p;
-    p.startIndex = 0;
+    p.startIndex = start;
     p.repeatTimes = fractals;
-    p.srcStride = 1;
+    p.srcStride = src_stride;
     p.ifTranspose = transpose;
     LoadData(dst, src, p);
 }

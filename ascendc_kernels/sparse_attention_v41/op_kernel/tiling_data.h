@@ -22,6 +22,7 @@ constexpr uint32_t kDrainChunk = 128;        // O_partial columns per FixPipe dr
 constexpr uint32_t kMailboxSlots = 8;        // ring of skip-scale bits, per AI core
 constexpr uint32_t kMailboxEntryBytes = 64;  // one cache line per (slot, AIV)
 constexpr float kRescaleThreshold = 6.0f;    // skip-scale threshold on scaled natural logits
+constexpr uint32_t kDecodeTableFloats = 16;  // the e2m1 code -> value table the host uploads (FP4 values)
 
 // Row formats of a key source. The values are the kernel's template arguments.
 enum class KvFormat : uint32_t {

@@ -43,6 +43,8 @@ public:
         if constexpr (U::kQuantized) {
             LoadDecodeTables(b.decode_tables);
         }
+        CreateVecIndex(Ub<int32_t>(U::kLanes), 0, kIndexLanes);
+        Duplicate(Ub<float>(U::kZeros), 0.0f, kIndexLanes);
         Duplicate(Ub<float>(U::kAcc), 0.0f, kHeadsPerVectorCore * kHeadDim);
     }
 
@@ -97,22 +99,64 @@ private:
         return extra_;
     }
 
-    // Whether key `pos` of `token` is attended, and its byte address when it is.
-    __aicore__ inline bool Locate(const Source& s, uint32_t token, uint32_t pos, uint64_t& addr)
+    // How many leading positions of `block` are attended at most: topk and topk_length cut the list (one scalar
+    // read of GM per block; the indices themselves are never read by the scalar core from GM).
+    __aicore__ inline int32_t PositionLimit(const Source& s, uint32_t token, uint32_t block)
     {
-        if (pos >= s.desc.topk) {
-            return false;
+        int64_t limit = s.desc.topk;
+        if (s.desc.has_length) {
+            const int64_t length = s.length.GetValue(token);
+            limit = length < limit ? length : limit;
         }
-        if (s.desc.has_length && static_cast<int64_t>(pos) >= s.length.GetValue(token)) {
-            return false;
-        }
-        const int64_t index = s.indices.GetValue(static_cast<uint64_t>(token) * s.desc.topk + pos);
-        if (index < 0 || index >= s.desc.num_rows) {
-            return false;
-        }
-        const uint64_t page = s.desc.page_size;
-        addr = (index / page) * s.desc.block_stride_bytes + (index % page) * s.desc.row_stride_bytes;
-        return true;
+        limit -= static_cast<int64_t>(block) * kBlockTopk;
+        return limit < 0 ? 0 : limit > kBlockTopk ? kBlockTopk : static_cast<int32_t>(limit);
+    }
+
+    // The gather parameters of `block` (global block g), computed by vector instructions, as FlashMLA's deep
+    // dive does so the scalar core never waits on index reads from GM: one MTE2 copy brings the block's 64
+    // indices to UB; then per lane: slot = index if the position is below the limit and 0 <= index < num_rows,
+    // else -1; the key bias 0 / -inf of the block (kept per L1 key slot for the softmax); and for this core's
+    // 32 keys the byte offset (index / page) * block_stride + (index % page) * row_stride in int64.
+    __aicore__ inline void BuildGatherParams(const Source& s, uint32_t token, uint32_t block, uint32_t g)
+    {
+        LocalTensor<int32_t> slots = Ub<int32_t>(U::kSlots);
+        LocalTensor<int32_t> pages = Ub<int32_t>(U::kPages);
+        LocalTensor<uint8_t> mask = Ub<uint8_t>(U::kLaneMask);
+        const uint32_t first = block * kBlockTopk;
+        const uint32_t count = s.desc.topk - first < kBlockTopk ? s.desc.topk - first : kBlockTopk;
+        DataCopyExtParams p{1, count * static_cast<uint32_t>(sizeof(int32_t)), 0, 0, 0};
+        DataCopyPad(slots, s.indices[static_cast<uint64_t>(token) * s.desc.topk + first], p,
+                    DataCopyPadExtParams<int32_t>{false, 0, 0, 0});
+        const int32_t limit = PositionLimit(s, token, block);
+        const int64_t last_row = s.desc.num_rows - 1;
+        const int32_t max_index = last_row > 0x7FFFFFFF ? 0x7FFFFFFF : static_cast<int32_t>(last_row);
+        SetFlag<HardEvent::MTE2_V>(kEv0);
+        WaitFlag<HardEvent::MTE2_V>(kEv0);
+        // positions at or past the limit (lanes >= limit; their copied values may be padding) -> -1
+        Compares(mask, Ub<int32_t>(U::kLanes), limit, CMPMODE::LT, kIndexLanes);
+        Select(slots, mask, slots, -1, SELMODE::VSEL_TENSOR_SCALAR_MODE, kIndexLanes);
+        Compares(mask, slots, max_index, CMPMODE::LE, kIndexLanes);
+        Select(slots, mask, slots, -1, SELMODE::VSEL_TENSOR_SCALAR_MODE, kIndexLanes);
+        Compares(mask, slots, 0, CMPMODE::GE, kIndexLanes);
+        Select(slots, mask, slots, -1, SELMODE::VSEL_TENSOR_SCALAR_MODE, kIndexLanes);
+        Select(Ub<float>(U::KeyBias(g % kKvStages)), mask, Ub<float>(U::kZeros), -kInf,
+               SELMODE::VSEL_TENSOR_SCALAR_MODE, kIndexLanes);
+        // byte offsets of the own 32 keys (an invalid lane's value is never used)
+        const LocalTensor<int32_t> own = slots[vector_ * kKeysPerVectorCore];
+        LocalTensor<int64_t> addr = Ub<int64_t>(U::kAddresses);
+        LocalTensor<int64_t> tmp = Ub<int64_t>(U::kAddressTmp);
+        const int32_t page = static_cast<int32_t>(s.desc.page_size);
+        Duplicate(pages, page, kKeysPerVectorCore);
+        Div(pages, own, pages, kKeysPerVectorCore);                                   // index / page
+        Cast(tmp, pages, RoundMode::CAST_NONE, kKeysPerVectorCore);
+        Muls(tmp, tmp, static_cast<int64_t>(s.desc.block_stride_bytes), kKeysPerVectorCore);
+        Muls(pages, pages, page, kKeysPerVectorCore);
+        Sub(pages, own, pages, kKeysPerVectorCore);                                   // index % page
+        Cast(addr, pages, RoundMode::CAST_NONE, kKeysPerVectorCore);
+        Muls(addr, addr, static_cast<int64_t>(s.desc.row_stride_bytes), kKeysPerVectorCore);
+        Add(addr, addr, tmp, kKeysPerVectorCore);
+        SetFlag<HardEvent::V_S>(kEv1);  // the scalar core reads slots and addresses from UB next
+        WaitFlag<HardEvent::V_S>(kEv1);
     }
 
     // ---- gather: GM -> UB (pairs of rows per copy), dequantize, ND -> NZ, UB -> L1 ----
@@ -127,11 +171,11 @@ private:
         Source& src = SourceOf(local, block);
         const uint32_t token = work_.Unit(g) / params_.tiling.head_tiles;
         const bool from_main = local < params_.tiling.main_blocks;
+        BuildGatherParams(src, token, block, g);
         for (uint32_t c = 0; c < kKeysPerVectorCore / kChunk; ++c, ++chunks_) {
             const uint32_t stage = chunks_ & 1;
-            const uint32_t first = block * kBlockTopk + vector_ * kKeysPerVectorCore + c * kChunk;
             WaitFlag<HardEvent::V_MTE2>(Ev(stage));  // the dequant of chunk - 2 has read kv_raw[stage]
-            const uint32_t valid = IssueRowCopies(src, token, first, stage);
+            const uint32_t valid = IssueRowCopies(src, c * kChunk, stage);
             SetFlag<HardEvent::MTE2_V>(Ev(stage));
             WaitFlag<HardEvent::MTE2_V>(Ev(stage));
             WaitFlag<HardEvent::MTE3_V>(Ev(stage));  // chunk - 2 has left kv_nz[stage] for L1
@@ -145,41 +189,48 @@ private:
         Signal<PIPE_MTE3>(kKvReady);
     }
 
-    // Starts the MTE2 copies of a chunk's valid rows; returns a bit mask of the valid rows. Two rows go in
-    // one copy ("gather2": burst count 2, source gap = the distance between them) when the second lies
-    // after the first; the pair is then stored in address order, which permutes two attended keys of the
-    // block - harmless, since P's columns and V's rows come from the same slot.
-    __aicore__ inline uint32_t IssueRowCopies(const Source& s, uint32_t token, uint32_t first, uint32_t stage)
+    // Starts the MTE2 copies of a chunk's valid rows (own keys [lane0, lane0 + chunk), parameters from UB);
+    // returns a bit mask of the valid rows. Two rows go in one copy ("gather2": burst count 2, source gap = the
+    // distance between them) when the second lies after the first; the pair is then stored in address order,
+    // which permutes two attended keys of the block - harmless, since P's columns and V's rows come from the
+    // same slot and both keys' bias is 0.
+    __aicore__ inline uint32_t IssueRowCopies(const Source& s, uint32_t lane0, uint32_t stage)
     {
-        const uint32_t gm_row = GmRowBytes(static_cast<KvFormat>(s.desc.format));
-        const uint32_t raw = U::kRaw + stage * kChunk * U::kRow;
+        const KvFormat format = static_cast<KvFormat>(s.desc.format);
+        const uint32_t gm_row = GmRowBytes(format);
+        const uint32_t pair_gap = PairDstGap(format, MAIN, EXTRA);
+        const uint32_t raw = U::kRaw + stage * kChunk * U::kPitch;
+        const LocalTensor<int32_t> slots = Ub<int32_t>(U::kSlots)[vector_ * kKeysPerVectorCore + lane0];
+        const LocalTensor<int64_t> addresses = Ub<int64_t>(U::kAddresses)[lane0];
         uint32_t valid = 0;
         for (uint32_t r = 0; r < kChunk; r += 2) {
-            uint64_t a0 = 0;
-            uint64_t a1 = 0;
-            const bool v0 = Locate(s, token, first + r, a0);
-            const bool v1 = Locate(s, token, first + r + 1, a1);
+            const bool v0 = slots.GetValue(r) >= 0;
+            const bool v1 = slots.GetValue(r + 1) >= 0;
+            const uint64_t a0 = static_cast<uint64_t>(addresses.GetValue(r));
+            const uint64_t a1 = static_cast<uint64_t>(addresses.GetValue(r + 1));
             valid |= (v0 ? 1u : 0u) << r | (v1 ? 1u : 0u) << (r + 1);
             const uint64_t lo = a0 < a1 ? a0 : a1;
             const uint64_t hi = a0 < a1 ? a1 : a0;
             if (v0 && v1 && hi - lo >= gm_row && hi - lo - gm_row <= 0xFFFFFFFFull) {
-                CopyRows(s, lo, raw + r * U::kRow, 2, static_cast<uint32_t>(hi - lo - gm_row), gm_row);
+                CopyRows(s, lo, raw + r * U::kPitch, 2, static_cast<uint32_t>(hi - lo - gm_row), pair_gap, gm_row);
                 continue;
             }
             if (v0) {
-                CopyRows(s, a0, raw + r * U::kRow, 1, 0, gm_row);
+                CopyRows(s, a0, raw + r * U::kPitch, 1, 0, 0, gm_row);
             }
             if (v1) {
-                CopyRows(s, a1, raw + (r + 1) * U::kRow, 1, 0, gm_row);
+                CopyRows(s, a1, raw + (r + 1) * U::kPitch, 1, 0, 0, gm_row);
             }
         }
         return valid;
     }
 
-    __aicore__ inline void CopyRows(const Source& s, uint64_t addr, uint32_t ub, uint16_t rows, uint32_t gap,
-                                    uint32_t gm_row)
+    // `rows` rows of gm_row bytes from GM, src_gap bytes apart, into UB at `ub`; DataCopyPad pads each to 32 B
+    // and leaves dst_gap 32-byte blocks after it (data_paths.h: PairDstGap keeps both rows at the pitch).
+    __aicore__ inline void CopyRows(const Source& s, uint64_t addr, uint32_t ub, uint16_t rows, uint32_t src_gap,
+                                    uint32_t dst_gap, uint32_t gm_row)
     {
-        DataCopyExtParams p{rows, gm_row, gap, 0, 0};  // UB rows padded to 32 B by the copy
+        DataCopyExtParams p{rows, gm_row, src_gap, dst_gap, 0};
         DataCopyPadExtParams<uint8_t> pad{false, 0, 0, 0};
         DataCopyPad(Ub<uint8_t>(ub), s.rows[addr], p, pad);
     }
@@ -189,28 +240,28 @@ private:
     // tile [32 column blocks][chunk + 1][16] (the extra row keeps the writes off one UB bank).
     __aicore__ inline void ConvertChunk(uint32_t stage, uint32_t valid, bool from_main)
     {
-        const uint32_t raw = U::kRaw + stage * kChunk * U::kRow;
-        const uint32_t nz = U::kNz + stage * (kHeadDim / 16) * (kChunk + 1) * 32;
+        const uint32_t raw = U::kRaw + stage * kChunk * U::kPitch;
+        const uint32_t nz = U::kNz + stage * (kHeadDim / 16) * NzRows(kChunk) * kDataBlock;
         for (uint32_t r = 0; r < kChunk; ++r) {
-            uint32_t row_bf16 = raw + r * U::kRow;  // bf16 rows are used as gathered
+            uint32_t row_bf16 = raw + r * U::kPitch;  // bf16 rows are used as gathered
             if (((valid >> r) & 1) == 0) {
                 row_bf16 = U::kQuantized ? U::kRowBf16 : row_bf16;
                 Duplicate(Ub<uint16_t>(row_bf16), static_cast<uint16_t>(0), kHeadDim);
             } else if constexpr (U::kQuantized) {
                 if (from_main || EXTRA == KvFormat::kFp8) {
-                    DecodeFp8Row(raw + r * U::kRow);
+                    DecodeFp8Row(raw + r * U::kPitch);
                 } else {
-                    DecodeFp4Row(raw + r * U::kRow);
+                    DecodeFp4Row(raw + r * U::kPitch);
                 }
                 row_bf16 = U::kRowBf16;
             }
             // 512 bf16 = 32 blocks of 32 B; block b goes to column block b, row r of the NZ tile.
             CopyRepeatParams rp;
-            rp.dstStride = kChunk + 1;
-            rp.srcStride = 1;
-            rp.dstRepeatSize = 8 * (kChunk + 1);
-            rp.srcRepeatSize = 8;
-            Copy(Ub<uint16_t>(nz + r * 32), Ub<uint16_t>(row_bf16), 128, kHeadDim / 128, rp);
+            rp.dstStride = NdToNzDstBlockStride(kChunk);
+            rp.srcStride = kNdToNzSrcBlockStride;
+            rp.dstRepeatSize = NdToNzDstRepeatStride(kChunk);
+            rp.srcRepeatSize = kNdToNzSrcRepeatStride;
+            Copy(Ub<uint16_t>(nz + r * kDataBlock), Ub<uint16_t>(row_bf16), kNdToNzMask, kNdToNzRepeats, rp);
         }
     }
 
@@ -218,26 +269,29 @@ private:
     // to bank 1; skipping the pad row in UB and the other rows of the 64-row tile in L1.
     __aicore__ inline void CopyChunkToL1(uint32_t stage, uint32_t slot, uint32_t row0)
     {
-        const uint32_t nz = U::kNz + stage * (kHeadDim / 16) * (kChunk + 1) * 32;
-        const uint32_t half_blocks = kHeadDim / 32;  // 16 column blocks per bank half
+        const uint32_t nz = U::kNz + stage * (kHeadDim / 16) * NzRows(kChunk) * kDataBlock;
         for (uint32_t half = 0; half < 2; ++half) {
             DataCopyParams p;
-            p.blockCount = half_blocks;
-            p.blockLen = kChunk;  // rows of 32 B
-            p.srcStride = 1;      // the pad row
-            p.dstStride = kBlockTopk - kChunk;
-            DataCopy(L1<uint16_t>(L1Layout::Kv(slot, half) + row0 * 32),
-                     Ub<uint16_t>(nz + half * half_blocks * (kChunk + 1) * 32), p);
+            p.blockCount = kNzToL1BlockCount;
+            p.blockLen = NzToL1BlockLen(kChunk);
+            p.srcGap = kNzToL1SrcGap;
+            p.dstGap = NzToL1DstGap(kChunk);
+            DataCopy(L1<uint16_t>(L1Layout::Kv(slot, half) + row0 * kDataBlock),
+                     Ub<uint16_t>(nz + half * kNzToL1BlockCount * NzRows(kChunk) * kDataBlock), p);
         }
     }
 
-    // ---- dequantization by table lookups (no reliance on fp8 / fp4 conversion instructions) ----
+    // ---- dequantization: the 950's native e4m3 -> fp32 conversion ("Cast" data types of Ascend 950:
+    // fp8_e4m3fn_t -> float, CAST_NONE) for FP8 values and FP4 scales; e8m0 scales by placing the byte in an fp32
+    // exponent (u8 -> u32 Cast, << 23); e2m1 codes through the 16-entry table the host uploads (the 950 also
+    // converts fp4x2_e2m1_t -> bfloat16_t natively, but which nibble comes first is not documented where it
+    // could be checked, and the table keeps that order in our hands) ----
 
     __aicore__ inline void LoadDecodeTables(GM_ADDR tables)
     {
         GlobalTensor<float> t;
         t.SetGlobalBuffer(reinterpret_cast<__gm__ float*>(tables));
-        DataCopy(Ub<float>(U::kTables), t, 576);
+        DataCopy(Ub<float>(U::kTables), t, kDecodeTableFloats);
         // Byte offsets of the scale of element i: tiles of 32 (FP8) and 16 (FP4), and the FP4 interleave
         // (element 2i is the low nibble of byte i, 2i + 1 the high one; low nibbles first in kNibbles).
         LocalTensor<int32_t> tile32 = Ub<int32_t>(U::kOffsets);
@@ -255,15 +309,9 @@ private:
         ShiftLeft(tile16, tile16, 2, kHeadDim);
         ShiftRight(tile32, tile32, 5, kHeadDim);
         ShiftLeft(tile32, tile32, 2, kHeadDim);
+        SetFlag<HardEvent::MTE2_V>(kEv0);  // the table has landed before the first lookup
+        WaitFlag<HardEvent::MTE2_V>(kEv0);
         PipeBarrier<PIPE_V>();
-    }
-
-    // `count` bytes at `bytes` -> byte offsets into a 4-byte table (code * 4).
-    __aicore__ inline void CodeOffsets(uint32_t out, uint32_t bytes, uint32_t count)
-    {
-        Cast(Ub<half>(U::kCodesHalf), Ub<uint8_t>(bytes), RoundMode::CAST_NONE, count);
-        Cast(Ub<int32_t>(out), Ub<half>(U::kCodesHalf), RoundMode::CAST_RINT, count);
-        ShiftLeft(Ub<int32_t>(out), Ub<int32_t>(out), 2, count);
     }
 
     __aicore__ inline void Lookup(uint32_t out, uint32_t table, uint32_t offsets, uint32_t count)
@@ -283,48 +331,31 @@ private:
     // V4.1 FP8 row: 512 e4m3 | 16 e8m0 scales (tile 32).
     __aicore__ inline void DecodeFp8Row(uint32_t row)
     {
-        CodeOffsets(U::kCodeOffsets, row, kHeadDim);
-        Lookup(U::kValues, U::kTables, U::kCodeOffsets, kHeadDim);
-        CodeOffsets(U::kCodeOffsets, row + kHeadDim, kHeadDim / 32);
-        Lookup(U::kTileScales, U::kTables + 256 * 4, U::kCodeOffsets, kHeadDim / 32);
+        Cast(Ub<float>(U::kValues), Ub<fp8_e4m3fn_t>(row), RoundMode::CAST_NONE, kHeadDim);
+        LocalTensor<uint32_t> scale_bits = Ub<uint32_t>(U::kTileScales);  // read back as fp32 by ScaleToBf16
+        Cast(scale_bits, Ub<uint8_t>(row + kHeadDim), RoundMode::CAST_NONE, kHeadDim / 32);
+        ShiftLeft(scale_bits, scale_bits, static_cast<uint32_t>(23), kHeadDim / 32);
         ScaleToBf16(U::kOffsets);
     }
 
     // V4.1 FP4 row: 256 bytes of e2m1 pairs | 32 e4m3 scales (tile 16).
     __aicore__ inline void DecodeFp4Row(uint32_t row)
     {
-        LocalTensor<int32_t> nibbles = Ub<int32_t>(U::kNibbles);
-        LocalTensor<int32_t> high = nibbles[kHeadDim / 2];
-        Cast(Ub<half>(U::kCodesHalf), Ub<uint8_t>(row), RoundMode::CAST_NONE, kHeadDim / 2);
-        Cast(nibbles, Ub<half>(U::kCodesHalf), RoundMode::CAST_RINT, kHeadDim / 2);
-        ShiftRight(high, nibbles, 4, kHeadDim / 2);                 // high nibble
-        ShiftLeft(Ub<int32_t>(U::kCodeOffsets), high, 4, kHeadDim / 2);
-        Sub(nibbles, nibbles, Ub<int32_t>(U::kCodeOffsets), kHeadDim / 2);  // low nibble
-        ShiftLeft(nibbles, nibbles, 2, kHeadDim);                   // table byte offsets
-        // interleave low/high into element order, then look the codes up in the e2m1 table
-        Gather(Ub<int32_t>(U::kCodeOffsets), nibbles, Ub<uint32_t>(U::kOffsets + 4096), 0u, kHeadDim);
-        Lookup(U::kValues, U::kTables + 512 * 4, U::kCodeOffsets, kHeadDim);
-        CodeOffsets(U::kCodeOffsets, row + kHeadDim / 2, kHeadDim / 16);
-        Lookup(U::kTileScales, U::kTables, U::kCodeOffsets, kHeadDim / 16);  // e4m3 scales
+        LocalTensor<uint32_t> nibbles = Ub<uint32_t>(U::kNibbles);
+        LocalTensor<uint32_t> high = nibbles[kHeadDim / 2];
+        LocalTensor<uint32_t> codes = Ub<uint32_t>(U::kCodeOffsets);
+        Cast(nibbles, Ub<uint8_t>(row), RoundMode::CAST_NONE, kHeadDim / 2);          // the 256 bytes
+        ShiftRight(high, nibbles, static_cast<uint32_t>(4), kHeadDim / 2);             // high nibbles
+        ShiftLeft(codes, high, static_cast<uint32_t>(4), kHeadDim / 2);
+        Sub(nibbles, nibbles, codes, kHeadDim / 2);                                     // low nibbles
+        ShiftLeft(nibbles, nibbles, static_cast<uint32_t>(2), kHeadDim);               // table byte offsets
+        Gather(codes, nibbles, Ub<uint32_t>(U::kOffsets + 4096), 0u, kHeadDim);       // in element order
+        Lookup(U::kValues, U::kTables, U::kCodeOffsets, kHeadDim);
+        Cast(Ub<float>(U::kTileScales), Ub<fp8_e4m3fn_t>(row + kHeadDim / 2), RoundMode::CAST_NONE, kHeadDim / 16);
         ScaleToBf16(U::kOffsets + 2048);
     }
 
     // ---- softmax of the owned 32 rows of block g ----
-
-    // 0 for attended keys of the block, -inf otherwise (all 64 keys: every row sees every key).
-    __aicore__ inline void BuildKeyBias(uint32_t g, uint32_t slot)
-    {
-        uint32_t block;
-        const Source& src = SourceOf(work_.Local(g), block);
-        const uint32_t token = work_.Unit(g) / params_.tiling.head_tiles;
-        LocalTensor<float> bias = Ub<float>(U::kKeyBias + slot * kBlockTopk * 4);
-        for (uint32_t k = 0; k < kBlockTopk; ++k) {
-            uint64_t unused;
-            bias.SetValue(k, Locate(src, token, block * kBlockTopk + k, unused) ? 0.0f : -kInf);
-        }
-        SetFlag<HardEvent::S_V>(kEv0);
-        WaitFlag<HardEvent::S_V>(kEv0);
-    }
 
     // One 32 B block per row holding that row's value, for row-wise broadcasts in vector instructions.
     __aicore__ inline LocalTensor<float> BroadcastRows(uint32_t vec)
@@ -344,7 +375,6 @@ private:
             Duplicate(Ub<float>(U::MUse(parity)), kNegInit, 64);
             Duplicate(Ub<float>(U::Sum(parity)), 0.0f, 64);
         }
-        BuildKeyBias(g, slot);
         Await(kLogitsReady);
         LocalTensor<float> x = Ub<float>(U::kLogits + slot * n * 4);
         LocalTensor<float> m_run = Ub<float>(U::MRun(parity));
@@ -355,8 +385,8 @@ private:
         LocalTensor<float> row_sum = Ub<float>(U::kRowSum);
 
         Muls(x, x, params_.sm_scale, n);
-        // + key bias, the same 64-float row for every head (source-1 repeat stride 0)
-        Add(x, x, Ub<float>(U::kKeyBias + slot * kBlockTopk * 4), kBlockTopk, rows, {1, 1, 1, 8, 8, 0});
+        // + key bias (BuildGatherParams), the same 64-float row for every head (source-1 repeat stride 0)
+        Add(x, x, Ub<float>(U::KeyBias(g % kKvStages)), kBlockTopk, rows, {1, 1, 1, 8, 8, 0});
         WholeReduceMax(row_max, x, kBlockTopk, rows, 1, 1, 8, ReduceOrder::ORDER_ONLY_VALUE);
         Max(row_max, row_max, m_run, rows);  // the new running max
         Sub(row_sum, row_max, m_use, rows);  // how far the lagging max trails
@@ -384,7 +414,8 @@ private:
         // bf16 P straight into NZ ([4 key blocks][32 rows][16]): per row, 4 destination blocks 32 rows apart.
         WaitFlag<HardEvent::MTE3_V>(static_cast<event_t>(kEvProbs0 + slot));
         LocalTensor<bfloat16_t> probs = Ub<bfloat16_t>(U::kProbs + slot * n * 2);
-        Cast(probs, x, RoundMode::CAST_RINT, kBlockTopk, rows, {static_cast<uint16_t>(rows), 1, 1, 8});
+        Cast(probs, x, RoundMode::CAST_RINT, kBlockTopk, rows,
+             {kProbsCastDstBlkStride, kProbsCastSrcBlkStride, kProbsCastDstRepStride, kProbsCastSrcRepStride});
         Signal<PIPE_V>(kLogitsFree);
         if (g >= 2) {
             AwaitPvDone(g - 1);  // PV(g - 2) has read L1 probability slot `slot`
@@ -393,12 +424,12 @@ private:
         WaitFlag<HardEvent::V_MTE3>(kEv0);
         for (uint32_t half = 0; half < 2; ++half) {  // keys [0, 32) to bank 0, [32, 64) to bank 1
             DataCopyParams p;
-            p.blockCount = 2;     // key column blocks in this half
-            p.blockLen = rows;    // 32 rows of 32 B
-            p.srcStride = 0;
-            p.dstStride = kHeadsPerTile - rows;  // skip the other vector core's rows
-            DataCopy(L1<bfloat16_t>(L1Layout::Probs(slot, half) + vector_ * rows * 32),
-                     probs[half * 2 * rows * 16], p);
+            p.blockCount = kProbsToL1BlockCount;  // key column blocks in this half
+            p.blockLen = kProbsToL1BlockLen;      // 32 rows of 32 B
+            p.srcGap = kProbsToL1SrcGap;
+            p.dstGap = kProbsToL1DstGap;          // skip the other vector core's rows
+            DataCopy(L1<bfloat16_t>(L1Layout::Probs(slot, half) + vector_ * rows * kDataBlock),
+                     probs[half * kProbsToL1BlockCount * rows * kBf16PerBlock], p);
         }
         SetFlag<HardEvent::MTE3_V>(static_cast<event_t>(kEvProbs0 + slot));
         PublishBit(g, rescale);
