@@ -64,8 +64,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="a shape 'op:key=val,...' (repeatable), e.g. 'sparse_decode:b=2,h_q=64,s_k=256,topk=128'")
     p.add_argument("--backends", metavar="A,B", help="backends to run (default: every backend available on the "
                                                      "device); the reference always runs as the correctness oracle")
-    p.add_argument("--baseline", metavar="A", help="A/B: the baseline backend (with --target)")
-    p.add_argument("--target", metavar="B", help="A/B: the backend whose speed-up over --baseline is printed")
+    p.add_argument("--baseline", metavar="A", help="A/B: the baseline backend (with --target; default: the reference)")
+    p.add_argument("--target", metavar="B", help="A/B: the backend whose speed-up over --baseline is printed "
+                                                "(default: the first other backend that runs here)")
     p.add_argument("--tune", metavar="FILE",
                    help="write the fastest correct backend per shape into FILE, the tuning file the dispatcher "
                         "reads (anymla.load_tuning / ANYMLA_TUNING)")
@@ -89,7 +90,10 @@ def _print_list(device: torch.device) -> None:
     print(f"backends on {device}:")
     for name in anymla.registered_backends():
         reasons = anymla.get_backend(name).unavailable_reasons(device)
-        print(f"  {name:12s} {'available' if name in available else 'unavailable: ' + '; '.join(reasons)}")
+        state = "available" if name in available else "unavailable: " + "; ".join(reasons)
+        if name == "triton" and name in available and device.type == "cpu":
+            state += " (in Triton's interpreter, which the bench turns on where there is no GPU or NPU)"
+        print(f"  {name:12s} {state}")
 
 
 def _backends(args, device: torch.device) -> list[str]:
@@ -122,6 +126,12 @@ def _write_reports(out: str, outcomes: list, info, ceilings, ab) -> list[str]:
     return files
 
 
+def _default_ab(backends: list[str]):
+    """The reference against the first other backend that runs here (the dispatcher's tier on a GPU)."""
+    others = [n for n in backends if n != runner.REFERENCE]
+    return (runner.REFERENCE, others[0]) if runner.REFERENCE in backends and others else None
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if (args.baseline is None) != (args.target is None):
@@ -137,16 +147,15 @@ def main(argv=None) -> int:
         raise SystemExit(f"python -m anymla.bench: {err}") from None
     timer = Timer(device, args.reps or (3 if device.type == "cpu" else 100))
     info = machine.describe(device)
-    skipped = [f"{n} ({'; '.join(anymla.get_backend(n).unavailable_reasons(device))})"
-               for n in anymla.registered_backends() if n not in backends and not args.backends]
+    skipped = [n for n in anymla.registered_backends() if n not in backends and not args.backends]
     print(f"anymla.bench: {len(plan)} shapes x {', '.join(backends)} on {device} ({info.device_name})"
-          + (f"; not available here: {', '.join(skipped)}" if skipped else ""), flush=True)
+          + (f"; not available here: {', '.join(skipped)} (why: --list)" if skipped else ""), flush=True)
     ceilings = measure_ceilings(device, timer)
     scale = runner.INTERPRETER_TOLERANCE_SCALE if info.interpreter else 1.0
     outcomes = runner.run(plan, backends, timer, tolerance_scale=scale, seed=args.seed)
     ceilings = better(ceilings, measure_ceilings(device, timer))
 
-    ab = (args.baseline, args.target) if args.baseline else None
+    ab = (args.baseline, args.target) if args.baseline else _default_ab(backends)
     files = _write_reports(args.out, outcomes, info, ceilings, ab)
     print(f"wrote {', '.join(os.path.join(args.out, f) for f in files)}")
     if args.tune:

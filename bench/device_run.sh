@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine (nothing installed; torch and triton from its image):
-#   bash bench/device_run.sh [harness|bench|tests|all] [extra arguments for that part]
-# Makes `anymla` importable without pip (the folders map onto the package as in pyproject.toml), runs the
-# requested parts and leaves logs and CSVs in $OUT (default ./device_out).
+# One call on a GPU machine with nothing installed (torch and triton from its image):
+#   bash bench/device_run.sh PART[,PART...]
+# PARTs, run in the order given:
+#   flashmla  make FlashMLA v1.0.0 importable from .peers/FlashMLA (a prepared tree, ../shared/peers/flashmla.md):
+#             reuse a build cat'ed back into .peers/FlashMLA/flash_mla/, or build it in the background (~100 s)
+#   tests     pytest on the GPU ($TESTS: test paths and options; default the whole suite, CPU-sized grids)
+#   overhead  python -m anymla.bench.overhead, in a fresh Triton cache (its cold-start part counts compiles)
+#   sweep     the harness's tile sweep ($SWEEP_SUITE, default tp)
+#   bench     python -m anymla.bench ($BENCH_ARGS, default --suite canonical --suite tp), FlashMLA included
+#   layer     python -m anymla.bench.layer
+# Makes `anymla` importable without pip (the folders map onto the package as in pyproject.toml) and leaves logs
+# and CSVs in $OUT (default ./device_out).
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}
 mkdir -p "$OUT"
@@ -12,13 +20,39 @@ cp -r dispatch/. "$site/anymla/"
 for pkg in triton_kernels ascendc_kernels bench; do ln -s "$PWD/$pkg" "$site/anymla/$pkg"; done
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-what=${1:-all}; shift || true
-if [[ $what == harness || $what == all ]]; then
-  python3 -m anymla.triton_kernels.harness "$@" --csv "$OUT/harness.csv" 2>&1 | tee "$OUT/harness.log"
-fi
-if [[ $what == bench || $what == all ]]; then
-  python3 -m anymla.bench --suite canonical --out "$OUT/h200" "$@" 2>&1 | tee "$OUT/bench.log"
-fi
-if [[ $what == tests || $what == all ]]; then
-  python3 -m pytest -q -x -n 8 -p no:cacheprovider --import-mode=importlib tests "$@" 2>&1 | tee "$OUT/tests.log"
-fi
+fm=$PWD/.peers/FlashMLA
+flashmla_wait() { [[ -n ${FLASHMLA_PID:-} ]] && { wait "$FLASHMLA_PID"; echo "flashmla build: $(tail -1 "$OUT/flashmla.log")"; FLASHMLA_PID=; }; }
+IFS=, read -ra parts <<< "${1:-tests}"
+for part in "${parts[@]}"; do
+  echo "=== $part ($(date +%T))"
+  case $part in
+    flashmla)
+      export PYTHONPATH="$PYTHONPATH:$fm"
+      if ls "$fm"/flash_mla/cuda*.so > /dev/null 2>&1; then echo "flashmla: reusing $(ls "$fm"/flash_mla/cuda*.so)"
+      else bash .peers/build_flashmla.sh "$fm" > "$OUT/flashmla.log" 2>&1 & FLASHMLA_PID=$!; fi ;;
+    tests)
+      # shellcheck disable=SC2086
+      ANYMLA_TEST_GRID=${ANYMLA_TEST_GRID:-small} python3 -m pytest -q -n 8 -p no:cacheprovider --import-mode=importlib \
+        ${TESTS:-tests} 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
+    overhead)
+      flashmla_wait
+      TRITON_CACHE_DIR=$(mktemp -d) python3 -m anymla.bench.overhead --csv "$OUT/overhead.csv" 2>&1 | tee "$OUT/overhead.log" ;;
+    sweep)
+      python3 -m anymla.triton_kernels.harness --suite "${SWEEP_SUITE:-tp}" --sweep --csv "$OUT/sweep.csv" \
+        > "$OUT/sweep.log" 2>&1; tail -60 "$OUT/sweep.log" ;;
+    bench)
+      flashmla_wait
+      # shellcheck disable=SC2086
+      python3 -m anymla.bench ${BENCH_ARGS:---suite canonical --suite tp} --out "$OUT/bench" > "$OUT/bench.log" 2>&1
+      tail -120 "$OUT/bench.log" ;;
+    layer)
+      python3 -m anymla.bench.layer --out "$OUT/layer" 2>&1 | tee "$OUT/layer.log" | tail -40 ;;
+    *) echo "unknown part $part"; exit 2 ;;
+  esac
+done
+flashmla_wait
+so=$(ls "$fm"/flash_mla/cuda*.so 2>/dev/null | head -1)
+if [[ -n $so && ! -e $OUT/flashmla_so.part00 ]]; then basename "$so" > "$OUT/flashmla_so_name"; split -b 15M -d "$so" "$OUT/flashmla_so.part"; fi
+# At most 8 files come back from the machine: everything but the FlashMLA build goes back as one archive.
+(cd "$OUT" && tar czf results.tgz --exclude='flashmla_so*' --exclude=results.tgz . \
+  && find . -mindepth 1 -maxdepth 1 ! -name results.tgz ! -name 'flashmla_so*' -exec rm -rf {} +)

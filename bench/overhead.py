@@ -1,19 +1,31 @@
-"""Host cost of anymla's dispatch per call, without any kernel: ``python -m anymla.bench.overhead``.
+"""Host cost of a call as users make it: ``python -m anymla.bench.overhead [--csv FILE]``.
 
-A backend that returns preallocated outputs is registered for the measurement, so the time per call is the
-public function, the problem record, the signature, the decision-cache lookup and the backend call: what a
-decode step pays on the CPU before any launch. Shapes: the canonical V3.2 sparse decode (b 128, s_q 2,
-h_q 128, FP8 cache) and dense decode (b 128, h_q 16), on the meta device (no memory, no kernels).
+Three measurements:
+
+- ``dispatch``: the public function, the problem record, the signature, the decision-cache lookup and the
+  backend call, with a backend that returns preallocated outputs (no launch; the meta device): what every
+  call pays on the CPU before its kernels.
+- ``host`` (CUDA): the whole eager path of real calls on the GPU, launches included: host µs to enqueue one
+  call (the device drained before each sample) and wall µs per call back to back (a decode loop without CUDA
+  graphs), for anymla and, where ``flash_mla`` imports, FlashMLA called directly.
+- ``cold`` (CUDA): a server's first call at every batch size 1..256 in a new process: how many kernels
+  that compiles (or loads from Triton's cache) without :func:`anymla.warmup`, and, for another
+  configuration warmed up first, the first call at each size against a repeated one.
 """
 
 from __future__ import annotations
 
+import argparse
+import csv
+import importlib.util
 import time
 
 import torch
 
 import anymla
+from anymla.kvcache import KVCacheFormat
 from anymla.registry import OPS, Backend
+from anymla.testing import dense_decode_inputs, prefill_inputs, sparse_decode_inputs
 
 
 class _Preallocated(Backend):
@@ -27,7 +39,7 @@ class _Preallocated(Backend):
     def unavailable_reasons(self, device):
         return []
 
-    def run(self, problem):
+    def run(self, problem, plan=None):
         return self.outputs[problem.op]
 
 
@@ -40,7 +52,8 @@ def _per_call_us(fn, n: int = 20000) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def measure() -> dict:
+def dispatch() -> dict:
+    """µs per call through the dispatcher alone (no kernel), V3.2 sparse decode and dense decode."""
     dev = "meta"
     b, s_q, h_q = 128, 2, 128
     q = torch.empty(b, s_q, h_q, 576, dtype=torch.bfloat16, device=dev)
@@ -67,10 +80,142 @@ def measure() -> dict:
     return {"sparse_decode_us": sparse, "dense_decode_us": dense}
 
 
+# The calls of the host-cost table (issue 16): (name, op, builder of the keyword arguments).
+def _host_cases(device):
+    F = KVCacheFormat
+    return [
+        ("dense b1 h128 s_k 32768", "dense", lambda: dense_decode_inputs(1, 1, 128, 1, 32768, device=device)),
+        ("dense b64 h128 s_k 4096", "dense", lambda: dense_decode_inputs(64, 1, 128, 1, 4096, device=device)),
+        ("dense b8 h16 s_k 4096", "dense", lambda: dense_decode_inputs(8, 1, 16, 1, 4096, device=device)),
+        ("sparse V3.2 b64 h64 topk 2048", "sparse",
+         lambda: sparse_decode_inputs(64, 1, 64, 8192, 2048, fmt=F.V32_FP8, device=device)),
+        ("sparse V3.2 b4 h64 topk 512", "sparse",
+         lambda: sparse_decode_inputs(4, 1, 64, 4096, 512, fmt=F.V32_FP8, device=device)),
+        ("prefill s_q 256 h128 topk 512", "prefill",
+         lambda: prefill_inputs(256, 128, 576, 8192, 512, device=device)),
+    ]
+
+
+def _flash_mla_call(op: str, a: dict):
+    """FlashMLA v1.0.0 called directly (no anymla in between), as a serving engine calls it."""
+    import flash_mla
+    if op == "prefill":
+        return lambda: flash_mla.flash_mla_sparse_fwd(a["q"], a["kv"], a["indices"], a["sm_scale"])
+    meta = flash_mla.get_mla_metadata()[0]
+    if op == "dense":
+        return lambda: flash_mla.flash_mla_with_kvcache(a["q"], a["k_cache"], a["block_table"], a["cache_seqlens"],
+                                                        512, meta, None, causal=False)
+    return lambda: flash_mla.flash_mla_with_kvcache(a["q"], a["k_cache"], None, None, 512, meta, None,
+                                                    is_fp8_kvcache=True, indices=a["indices"])
+
+
+def _anymla_call(op: str, a: dict):
+    if op == "prefill":
+        return lambda: anymla.flash_mla_sparse_fwd(**a)
+    meta = anymla.get_mla_metadata()[0]
+    return lambda: anymla.flash_mla_with_kvcache(**a, tile_scheduler_metadata=meta)
+
+
+def _eager(fn, device) -> tuple[float, float]:
+    """(host µs to enqueue one call, median of 50 with the device drained before each; wall µs per call of
+    200 back-to-back calls)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize(device)
+    host = []
+    for _ in range(50):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(200):
+        fn()
+    torch.cuda.synchronize(device)
+    return sorted(host)[len(host) // 2], (time.perf_counter() - t0) * 1e6 / 200
+
+
+def host(device) -> list[dict]:
+    have_flash_mla = importlib.util.find_spec("flash_mla") is not None
+    rows = []
+    for name, op, build in _host_cases(device):
+        a = build()
+        if op != "prefill":
+            a.pop("tile_scheduler_metadata", None)
+        calls = {"anymla": _anymla_call(op, a)}
+        if have_flash_mla:
+            calls["flashmla"] = _flash_mla_call(op, a)
+        for who, fn in calls.items():
+            host_us, eager_us = _eager(fn, device)
+            rows.append(dict(part="host", case=name, who=who, host_us=host_us, eager_us=eager_us))
+            print(f"host  {name:32s} {who:9s} host {host_us:7.1f} µs/call   eager {eager_us:8.1f} µs/call", flush=True)
+        del a, calls
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _first_calls(config: dict, sizes, device) -> tuple[list, int]:
+    """Per size: (first call µs, repeated call µs) wall time with a synchronization, and kernels compiled."""
+    from anymla.triton_kernels.launcher import compiled_kernels
+    big = sparse_decode_inputs(max(sizes), 1, config["h_q"], 4096, 512, fmt=KVCacheFormat.V32_FP8, device=device)
+    per_request = ("q", "indices")
+    kernels0, times = compiled_kernels(), []
+    for b in sizes:
+        a = {k: (v[:b] if k in per_request else v) for k, v in big.items()}
+        a["tile_scheduler_metadata"] = None
+        run = []
+        for _ in range(2):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            anymla.flash_mla_with_kvcache(**a)
+            torch.cuda.synchronize(device)
+            run.append((time.perf_counter() - t0) * 1e6)
+        times.append(run)
+    return times, compiled_kernels() - kernels0
+
+
+def cold(device) -> list[dict]:
+    sizes = range(1, 257)
+    rows = []
+    times, kernels = _first_calls({"h_q": 64}, sizes, device)
+    worst = max(range(len(times)), key=lambda i: times[i][0])
+    rows.append(dict(part="cold", case="sparse V3.2 h64, b 1..256, no warmup", who="anymla", kernels=kernels,
+                     worst_first_us=times[worst][0], worst_b=sizes[worst],
+                     median_first_over_repeat=sorted(f / r for f, r in times)[len(times) // 2]))
+    big = sparse_decode_inputs(1, 1, 32, 4096, 512, fmt=KVCacheFormat.V32_FP8, device=device)
+    big["tile_scheduler_metadata"] = None
+    report = anymla.warmup(anymla.flash_mla_with_kvcache, sizes=sizes, **big)
+    times, kernels = _first_calls({"h_q": 32}, sizes, device)
+    ratios = [f / r for f, r in times]
+    rows.append(dict(part="cold", case="sparse V3.2 h32, b 1..256, after warmup", who="anymla", kernels=kernels,
+                     warmup=str(report), worst_first_over_repeat=max(ratios),
+                     median_first_over_repeat=sorted(ratios)[len(ratios) // 2]))
+    for r in rows:
+        print("cold  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
+                                   if k != "part"), flush=True)
+    return rows
+
+
 def main() -> None:
-    r = measure()
-    print(f"host cost of one call through the dispatcher (no kernel), {torch.__version__}: "
-          f"sparse decode {r['sparse_decode_us']:.1f} µs, dense decode {r['dense_decode_us']:.1f} µs")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--csv", help="write every row to this CSV file")
+    args = ap.parse_args()
+    r = dispatch()
+    print(f"dispatch: one call through the dispatcher without a kernel, torch {torch.__version__}: "
+          f"sparse decode {r['sparse_decode_us']:.1f} µs, dense decode {r['dense_decode_us']:.1f} µs", flush=True)
+    rows = [dict(part="dispatch", case="sparse decode (meta)", who="anymla", host_us=r["sparse_decode_us"]),
+            dict(part="dispatch", case="dense decode (meta)", who="anymla", host_us=r["dense_decode_us"])]
+    if torch.cuda.is_available():
+        device = torch.device("cuda")
+        rows += cold(device)  # first: a new process whose kernels are not compiled yet
+        rows += host(device)
+    if args.csv:
+        fields = sorted({k for row in rows for k in row}, key=lambda k: (k not in ("part", "case", "who"), k))
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            w.writerows(rows)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,12 @@ from .runner import OK, CaseOutcome
 
 TRITON_TIER = "triton"
 COLUMNS = ("timestamp", "device", "device_name", "torch", "triton", "anymla", "suite", "case", "op", "shape",
-           "backend", "status", "note", "timer", "median_us", "p20_us", "p80_us", "reps", "flops", "bytes",
+           "backend", "status", "note", "timer", "median_us", "p20_us", "p80_us", "reps", "eager_us", "host_us",
+           "flops", "bytes",
            "tflops", "gbps", "floor_us", "bound", "frac_of_floor", "copy_gbps", "matmul_tflops", "ratio_to_matmul",
            "ratio_to_copy", "dispatcher_choice", "fastest", "anchor_flashmla_us", "anchor_triton",
            "anchor_triton_us")
-HEADERS = ("case", "backend", "status", "median µs", "p20-p80 µs", "TFLOP/s", "GB/s", "% floor", "x matmul",
-           "x copy", "note")
+HEADERS = ("case", "backend", "status", "GPU µs", "p20-p80", "eager µs", "host µs", "% floor", "x ceiling", "note")
 
 
 def _note(result, info: RunInfo) -> str:
@@ -50,13 +50,19 @@ def csv_rows(outcomes: list[CaseOutcome], info: RunInfo, ceilings: Ceilings) -> 
                 row.update(zip(("floor_us", "bound"), model.floor_us(o.cost, ceilings)))
             if r.timing is not None:
                 t = r.timing
-                row.update(timer=t.timer, median_us=t.median_us, p20_us=t.p20_us, p80_us=t.p80_us, reps=t.reps)
+                row.update(timer=t.timer, median_us=t.median_us, p20_us=t.p20_us, p80_us=t.p80_us, reps=t.reps,
+                           eager_us=_maybe(t.eager_us), host_us=_maybe(t.host_us))
                 row.update(dataclasses.asdict(model.rates(o.cost, t.median_us, ceilings)))
             if anchor is not None:
                 row.update(anchor_flashmla_us=anchor.flashmla_us, anchor_triton=anchor.triton_name,
                            anchor_triton_us=anchor.triton_us if anchor.triton_us is not None else "")
             rows.append(row)
     return rows
+
+
+def _maybe(x: float):
+    """A measurement, or "" where it was not taken (NaN)."""
+    return "" if math.isnan(x) else x
 
 
 def write_csv(path: str, rows: list[dict]) -> None:
@@ -76,21 +82,27 @@ def _cells(o: CaseOutcome, r, info: RunInfo, ceilings: Ceilings) -> list[str]:
         return cells + [""] * 7 + [_note(r, info)]
     t = r.timing
     rates = model.rates(o.cost, t.median_us, ceilings)
-    return cells + [_num(t.median_us), f"{_num(t.p20_us)}-{_num(t.p80_us)}", _num(rates.tflops), _num(rates.gbps),
-                    f"{100 * rates.frac_of_floor:.3g}%", f"{rates.ratio_to_matmul:.3g}", f"{rates.ratio_to_copy:.3g}",
-                    _note(r, info)]
+    ceiling = f"{rates.ratio_to_matmul:.3g} matmul" if rates.bound == "compute" else f"{rates.ratio_to_copy:.3g} copy"
+    eager = "" if math.isnan(t.eager_us) else _num(t.eager_us)
+    host = "" if math.isnan(t.host_us) else _num(t.host_us)
+    return cells + [_num(t.median_us), f"{_num(t.p20_us)}-{_num(t.p80_us)}", eager, host,
+                    f"{100 * rates.frac_of_floor:.3g}%", ceiling, _note(r, info)]
+
+
+_SOURCES = {"auto": "by the device's priority list", "tuned": "from the tuning file's measurement",
+            "keyword": "as the call asked", "context": "inside use_backend", "env": "from ANYMLA_BACKEND"}
 
 
 def verdict(o: CaseOutcome) -> str:
     """The user's question for one shape: which backend the dispatcher picks, and is it the fastest measured?"""
     if o.decision is None:
         return "dispatcher: no decision (the inputs could not be built)"
-    head = f"dispatcher picks {o.dispatcher_choice} ({o.decision.source})"
+    head = f"dispatcher picks {o.dispatcher_choice} ({_SOURCES.get(o.decision.source, o.decision.source)})"
     fastest = o.fastest
     if not fastest:
         return head + "; no backend was timed"
     if fastest == o.dispatcher_choice:
-        return head + ": the fastest measured"
+        return head + "; it was also the fastest in this run"
     chosen = o.result(o.dispatcher_choice)
     if chosen is None or chosen.timing is None:
         return head + f" (not timed here); fastest measured: {fastest}"
@@ -147,7 +159,10 @@ def header_lines(info: RunInfo, ceilings: Ceilings) -> list[str]:
     lines = [f"anymla.bench on {info.device} ({info.device_name}); torch {info.torch}, triton {info.triton}, "
              f"anymla {info.anymla}; {info.timestamp}",
              f"ceilings measured in this run (the better of its start and end): {ceilings.describe()}",
-             "% floor = floor time / measured time, floor = max(bytes / copy rate, FLOPs / matmul rate)"]
+             "GPU µs: CUDA-graph replay (calls under 1 ms) or device events, L2 flushed; eager µs: wall time per call "
+             "of back-to-back eager calls; host µs: enqueueing one call",
+             "% floor = floor time / GPU time, floor = max(bytes / copy rate, FLOPs / matmul rate); x ceiling: "
+             "against the ceiling that binds"]
     if info.interpreter:
         lines.append("NOTE: on the CPU the Triton tier runs in Triton's interpreter: its times are interpreter "
                      "times, not kernel performance")

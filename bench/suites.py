@@ -132,6 +132,7 @@ def _dense_decode(name, b, s_q, h_q, s_k, causal=False):
 
 
 _V41_EXTRA = dict(extra_fmt="V41_FP4", extra_topk=512, extra_page=64, extra_s_k=8192)
+_MODEL1_EXTRA = dict(extra_fmt="MODEL1_FP8", extra_topk=512, extra_page=64, extra_s_k=16384)
 TP_HEADS = (128, 64, 16, 8)  # DeepSeek's 128 query heads at tensor-parallel degrees 1, 2, 8 and 16
 
 SUITES: dict[str, list[Case]] = {
@@ -165,6 +166,19 @@ SUITES: dict[str, list[Case]] = {
     "v32-prefill": [_prefill(f"v32-prefill-h{h}", h, 576) for h in TP_HEADS],
     "v4-decode": [_sparse_decode(f"v4-decode-h{h}", 64, 1, h, "V41_FP8", **_V41_EXTRA) for h in TP_HEADS],
     "v4-prefill": [_prefill(f"v4-prefill-h{h}", h, 512) for h in TP_HEADS],
+    # The calls FlashMLA refuses or serves badly (issue 14): tensor-parallel head counts, which FlashMLA only
+    # runs with q padded to 64 heads, and its own MODEL1 (584 B) benchmark configurations CONFIG1 / CONFIG2.
+    "tp": [
+        _prefill("tp-prefill-h16-d576", 16, 576),
+        _prefill("tp-prefill-h32-d512", 32, 512),
+        *[_sparse_decode(f"tp-sdecode-v32-b128-h{h}", 128, 1, h, "V32_FP8") for h in (8, 16, 32)],
+        _sparse_decode("tp-sdecode-model1-b128-h16", 128, 1, 16, "MODEL1_FP8", **_MODEL1_EXTRA),
+        _sparse_decode("tp-sdecode-v41+fp4-b128-h16", 128, 1, 16, "V41_FP8", **_V41_EXTRA),
+        _sparse_decode("model1-config1-b128-sq2-h64", 128, 2, 64, "MODEL1_FP8", topk=128, s_k=16384, page=256,
+                       varlen=True, **{**_MODEL1_EXTRA, "extra_topk": 512}),
+        _sparse_decode("model1-config2-b128-sq2-h128", 128, 2, 128, "MODEL1_FP8", topk=128, s_k=16384, page=256,
+                       varlen=True, **{**_MODEL1_EXTRA, "extra_topk": 1024}),
+    ],
 }
 # Suites made of other suites: their cases run and are reported under the composite's name.
 COMPOSITES: dict[str, tuple] = {

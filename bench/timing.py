@@ -1,5 +1,7 @@
-"""Timing one call: device events per repetition, an L2 flush outside the timed region, warm-up, CUDA-graph
-replay for short calls, and the median with its 20th-80th percentile spread.
+"""Timing one call three ways: its GPU time (device events per repetition, an L2 flush outside the timed
+region, CUDA-graph replay for short calls, the median with its 20th-80th percentile spread), its eager wall
+time per call when called back to back as a decode loop calls it (what a user without CUDA graphs gets:
+the larger of the host's enqueue time and the GPU time), and the host's enqueue time of one call.
 
 One code path serves every device: CUDA and Ascend NPUs through their own ``Event`` classes
 (``torch.cuda.Event``, ``torch.npu.Event``), the CPU through a wall-clock stand-in with the same interface.
@@ -34,6 +36,13 @@ class Timing:
     reps: int
     timer: str  # "cuda-graph", "cuda-events", "npu-events" or "wall-clock"
     note: str = ""
+    eager_us: float = float("nan")  # wall time per call of back-to-back eager calls (accelerators only)
+    host_us: float = float("nan")  # host time to enqueue one call, no synchronization (accelerators only)
+
+    @property
+    def spread(self) -> float:
+        """p80 / p20: how far apart the repetitions were."""
+        return self.p80_us / self.p20_us if self.p20_us > 0 else float("inf")
 
 
 class _WallClockEvent:
@@ -62,9 +71,17 @@ def synchronize(device: torch.device) -> None:
         module.synchronize()
 
 
+# Repetitions whose 80th percentile exceeds the 20th by more than this are flagged in the note.
+UNSTABLE_SPREAD = 1.5
+
+
 def summarize(times_us: list[float], timer: str, note: str = "") -> Timing:
     q = torch.tensor(times_us, dtype=torch.float64).quantile(torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64))
-    return Timing(float(q[1]), float(q[0]), float(q[2]), len(times_us), timer, note)
+    t = Timing(float(q[1]), float(q[0]), float(q[2]), len(times_us), timer, note)
+    if t.spread > UNSTABLE_SPREAD:
+        flag = f"unstable: p80 is {t.spread:.1f}x p20 over {t.reps} reps (a busy machine?), take with care"
+        t = Timing(t.median_us, t.p20_us, t.p80_us, t.reps, timer, "; ".join(filter(None, (note, flag))))
+    return t
 
 
 class Timer:
@@ -149,4 +166,29 @@ class Timer:
             run()
             end.record()
         synchronize(self.device)
-        return summarize([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)], timer, note)
+        timing = summarize([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)], timer, note)
+        if self.device.type == "cpu":
+            return timing
+        eager_us, host_us = self._eager(fn, estimate)
+        return Timing(timing.median_us, timing.p20_us, timing.p80_us, timing.reps, timing.timer, timing.note,
+                      eager_us, host_us)
+
+    def _eager(self, fn: Callable[[], object], estimate_us: float) -> tuple[float, float]:
+        """(wall µs per call of back-to-back eager calls, median host µs to enqueue one call).
+
+        Back to back, no flush and no synchronization between calls, as a decode loop calls them: per call,
+        the larger of the host's enqueue time and the GPU time. The enqueue time is taken with the device
+        drained before each sample, so the launch queue never pushes back."""
+        host = []
+        for _ in range(max(5, min(50, self.reps))):
+            synchronize(self.device)
+            t0 = time.perf_counter()
+            fn()
+            host.append((time.perf_counter() - t0) * 1e6)
+        n = max(10, min(self.reps, int(self.budget_ms * 1e3 / max(estimate_us, 1.0))))
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        synchronize(self.device)
+        return (time.perf_counter() - t0) * 1e6 / n, float(torch.tensor(host).median())

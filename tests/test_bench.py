@@ -180,7 +180,8 @@ def test_csv_has_one_row_per_shape_and_backend(tmp_path):
     with open(path) as f:
         rows = list(csv.DictReader(f))
     required = {"timestamp", "device", "device_name", "torch", "triton", "anymla", "suite", "op", "shape",
-                "backend", "status", "median_us", "p20_us", "p80_us", "reps", "flops", "bytes", "tflops", "gbps",
+                "backend", "status", "median_us", "p20_us", "p80_us", "reps", "eager_us", "host_us", "flops", "bytes",
+                "tflops", "gbps",
                 "floor_us", "frac_of_floor", "copy_gbps", "matmul_tflops", "ratio_to_matmul", "ratio_to_copy",
                 "dispatcher_choice", "fastest"}
     assert required <= set(rows[0])
@@ -221,7 +222,7 @@ def test_cli_quick_suite_end_to_end(tmp_path):
     table = done.stdout[done.stdout.index("wrote "):]  # the table comes after the files are written
     # Exit status 1 means some backend was wrong or failed (as the table says), not that the harness failed.
     assert done.returncode == 0 or any(s in table for s in (" WRONG ", " ERROR ")), done.stdout + done.stderr
-    for text in ("== quick ==", "== cli ==", "median µs", "dispatcher picks", "interpreter",
+    for text in ("== quick ==", "== cli ==", "GPU µs", "eager µs", "dispatcher picks", "interpreter",
                  "A/B: triton vs reference"):
         assert text in table
     assert {"results.csv", "quick.png", "cli.png", "summary.md"} <= set(os.listdir(out))

@@ -4,6 +4,10 @@ A peer is never chosen automatically (``auto_select = False``): it runs when ask
 (``backend="flashmla"``) or when ``python -m anymla.bench --tune`` measured it fastest for a shape. It lets
 the benchmark time FlashMLA behind the very inputs and correctness gate of anymla's own tiers.
 
+Sparse calls with a head count FlashMLA does not take (tensor parallelism: 8, 16, 32 heads) are run the way
+serving engines run them: q (and attn_sink) padded with zero heads to 64 (or 128), the outputs sliced back;
+the padding is part of the timed call, and ``explain()`` says so.
+
 The shape limits below are FlashMLA v1.0.0's (``csrc/api/*.h`` and its kernels' asserts; see the project's
 FlashMLA contract notes) plus the 2026-09-30 release's V4.1 formats. Unverified: no ``flash_mla`` build was
 available where this adapter was written, so its calls follow FlashMLA's documented interface only.
@@ -22,6 +26,28 @@ from ..kvcache import KVCacheFormat
 from ..registry import OPS, Backend
 
 _SPARSE_HEADS = (64, 128)
+
+
+def _padded_heads(h_q: int):
+    """The head count FlashMLA's sparse kernels run ``h_q`` heads at (None: more than it takes)."""
+    return next((h for h in _SPARSE_HEADS if h_q <= h), None)
+
+
+class _Padding:
+    """The peer's plan for one signature: how many heads FlashMLA runs the call with."""
+
+    def __init__(self, h_q: int, padded: int):
+        self.h_q, self.padded = h_q, padded
+        self.description = f"FlashMLA's kernel with q padded by zero heads from {h_q} to {padded} (as serving " \
+                           "engines call it), outputs sliced back" if padded != h_q else "FlashMLA's kernel"
+
+    def pad(self, t, dim: int):
+        """``t`` with zero heads appended along ``dim`` (None stays None)."""
+        if t is None or self.padded == self.h_q:
+            return t
+        shape = list(t.shape)
+        shape[dim] = self.padded - self.h_q
+        return torch.cat([t, t.new_zeros(shape)], dim)
 # Formats each FlashMLA generation decodes sparsely: v1.0.0 (SM90 and SM100) and the 2026-09-30 release
 # (SM100 only), told apart by the fused kernel only the later one exports.
 _V1_FORMATS = (KVCacheFormat.V32_FP8, KVCacheFormat.MODEL1_FP8)
@@ -88,8 +114,8 @@ class FlashMLAPeer(Backend):
         reasons = []
         if p.q.dtype != torch.bfloat16:
             reasons.append(f"q must be bf16, got {p.q.dtype}")
-        if h_q not in _SPARSE_HEADS:
-            reasons.append(f"h_q must be 64 or 128, got {h_q}")
+        if _padded_heads(h_q) is None:
+            reasons.append(f"h_q must be at most 128 (padded to 64 or 128), got {h_q}")
         if p.kv.shape[1] != 1:
             reasons.append(f"h_kv must be 1, got {p.kv.shape[1]}")
         if _is_v41(module) and d != 512:
@@ -103,8 +129,8 @@ class FlashMLAPeer(Backend):
     def _sparse_decode_reasons(p, module, major) -> list[str]:
         h_q = p.q.shape[2]
         reasons = []
-        if h_q not in _SPARSE_HEADS:
-            reasons.append(f"h_q must be 64 or 128, got {h_q}")
+        if _padded_heads(h_q) is None:
+            reasons.append(f"h_q must be at most 128 (padded to 64 or 128), got {h_q}")
         if p.q.dtype != torch.bfloat16:
             reasons.append(f"q must be bf16, got {p.q.dtype}")
         formats = _V41_FORMATS if _is_v41(module) else _V1_FORMATS
@@ -155,21 +181,34 @@ class FlashMLAPeer(Backend):
             return module.get_mla_metadata()[0]
         return p.sched.plan_for("flashmla", lambda: module.get_mla_metadata()[0])
 
-    def sparse_prefill(self, p):
-        module, _ = _flash_mla()
-        return module.flash_mla_sparse_fwd(p.q, p.kv, p.indices, p.sm_scale, p.d_v, p.attn_sink, p.topk_length)
+    def plan(self, problem):
+        if problem.op == "dense_decode":
+            return None
+        h_q = problem.q.shape[-2]
+        return _Padding(h_q, _padded_heads(h_q))
 
-    def sparse_decode(self, p):
+    def run(self, problem, plan=None):
+        return getattr(self, problem.op)(problem, plan or self.plan(problem))
+
+    def sparse_prefill(self, p, pad):
+        module, _ = _flash_mla()
+        out, max_logits, lse = module.flash_mla_sparse_fwd(pad.pad(p.q, 1), p.kv, p.indices, p.sm_scale, p.d_v,
+                                                           pad.pad(p.attn_sink, 0), p.topk_length)
+        h = pad.h_q
+        return out[:, :h], max_logits[:, :h], lse[:, :h]
+
+    def sparse_decode(self, p, pad):
         module, _ = _flash_mla()
         extra = {"enable_batch_invariant": True} if p.batch_invariant else {}
         out, lse = module.flash_mla_with_kvcache(
-            p.q, p.k_cache, None, None, p.d_v, self._metadata(p, module), None, softmax_scale=p.sm_scale,
-            is_fp8_kvcache=True, indices=p.indices, attn_sink=p.attn_sink, extra_k_cache=p.extra_k_cache,
+            pad.pad(p.q, 2), p.k_cache, None, None, p.d_v, self._metadata(p, module), None, softmax_scale=p.sm_scale,
+            is_fp8_kvcache=True, indices=p.indices, attn_sink=pad.pad(p.attn_sink, 0), extra_k_cache=p.extra_k_cache,
             extra_indices_in_kvcache=p.extra_indices, topk_length=p.topk_length,
             extra_topk_length=p.extra_topk_length, **extra)
-        return out, lse.transpose(1, 2)  # FlashMLA's lse is a [b, h_q, s_q] view of a contiguous [b, s_q, h_q]
+        # FlashMLA's lse is a [b, h_q, s_q] view of a contiguous [b, s_q, h_q]
+        return out[:, :, :pad.h_q], lse.transpose(1, 2)[:, :, :pad.h_q]
 
-    def dense_decode(self, p):
+    def dense_decode(self, p, plan=None):
         module, _ = _flash_mla()
         return module.flash_mla_with_kvcache(p.q, p.k_cache, p.block_table, p.cache_seqlens, p.d_v,
                                              self._metadata(p, module), None, softmax_scale=p.sm_scale,
