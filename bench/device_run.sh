@@ -6,7 +6,7 @@
 #             reuse a build cat'ed back into .peers/FlashMLA/flash_mla/, or build it in the background (~100 s)
 #   tests     pytest on the GPU ($TESTS: test paths and options; default the whole suite, CPU-sized grids)
 #   overhead  python -m anymla.bench.overhead, in a fresh Triton cache (its cold-start part counts compiles)
-#   sweep     the harness's tile sweep ($SWEEP_SUITE, default tp)
+#   sweep     the harness's tile sweep ($SWEEP_SUITE, default tp; $SWEEP_CASES: case names, default all)
 #   bench     python -m anymla.bench ($BENCH_ARGS, default --suite canonical --suite tp), FlashMLA included
 #   layer     python -m anymla.bench.layer
 # Makes `anymla` importable without pip (the folders map onto the package as in pyproject.toml) and leaves logs
@@ -32,14 +32,15 @@ for part in "${parts[@]}"; do
       else bash .peers/build_flashmla.sh "$fm" > "$OUT/flashmla.log" 2>&1 & FLASHMLA_PID=$!; fi ;;
     tests)
       # shellcheck disable=SC2086
-      ANYMLA_TEST_GRID=${ANYMLA_TEST_GRID:-small} python3 -m pytest -q -n 8 -p no:cacheprovider --import-mode=importlib \
+      ANYMLA_TEST_GRID=${ANYMLA_TEST_GRID:-small} timeout "${TESTS_TIMEOUT:-1000}" python3 -m pytest -q -n 8 -p no:cacheprovider --import-mode=importlib \
         ${TESTS:-tests} 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     overhead)
       flashmla_wait
       TRITON_CACHE_DIR=$(mktemp -d) python3 -m anymla.bench.overhead --csv "$OUT/overhead.csv" 2>&1 | tee "$OUT/overhead.log" ;;
     sweep)
-      python3 -m anymla.triton_kernels.harness --suite "${SWEEP_SUITE:-tp}" --sweep --csv "$OUT/sweep.csv" \
-        > "$OUT/sweep.log" 2>&1; tail -60 "$OUT/sweep.log" ;;
+      cases=(); for c in ${SWEEP_CASES:-}; do cases+=(--case "$c"); done
+      timeout "${SWEEP_TIMEOUT:-1000}" python3 -m anymla.triton_kernels.harness --suite "${SWEEP_SUITE:-tp}" --sweep \
+        "${cases[@]}" --csv "$OUT/sweep.csv" > "$OUT/sweep.log" 2>&1; tail -60 "$OUT/sweep.log" ;;
     bench)
       flashmla_wait
       # shellcheck disable=SC2086
