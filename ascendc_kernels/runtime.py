@@ -20,6 +20,10 @@ DEFAULT_LIBRARY = Path(__file__).resolve().parent / "lib" / "libanymla_ascendc.s
 BUILT_FOR = ("Ascend950",)  # SoC families the kernels are compiled for (--npu-arch=dav-3510)
 
 
+def _torch_npu_installed() -> bool:
+    return importlib.util.find_spec("torch_npu") is not None
+
+
 def library_path() -> Path:
     return Path(os.environ.get(ENV_LIBRARY) or DEFAULT_LIBRARY)
 
@@ -32,7 +36,7 @@ def _soc_name(device: torch.device) -> str:
 def unavailable_reasons(device: torch.device) -> list[str]:
     """Why the Ascend C tier cannot run on ``device``; every reason at once, empty when it can."""
     reasons = []
-    if importlib.util.find_spec("torch_npu") is None:
+    if not _torch_npu_installed():
         reasons.append("torch_npu is not installed (the Ascend C kernels run on Huawei Ascend NPUs through torch_npu)")
     if device.type != "npu":
         reasons.append(f"the Ascend C kernels run on NPU devices, not on {device.type}")
@@ -51,6 +55,34 @@ def unavailable_reasons(device: torch.device) -> list[str]:
             if not verified:
                 reasons.append(f"{why}; set {ENV_ALLOW_UNVERIFIED}=1 to run it anyway")
     return reasons
+
+
+# What has run for the tier without an NPU (tests/test_ascendc_*.py, .ci/run), and what only a 950 can show.
+CPU_CHECKS = ("on CPU only: the tiling and buffer budgets, an fp32 emulation of the kernel's blocking order against "
+              "the reference, a numpy model of its data movement (formats, strides, LoadData and FixPipe modes as "
+              "asc-devkit documents them for the 950), its row decoders bit for bit, and the host binding compiled "
+              "and linked against the torch_npu 2.13.0 wheel")
+ONLY_ON_A_950 = ("that the device code compiles, that the hardware behaves as documented, and its numerics and speed "
+                 "need an Ascend 950 with CANN")
+
+
+def caveats(device) -> list[str]:
+    """What ``explain`` shows about the tier on ``device``: how far each kernel was checked, naming the SoCs."""
+    from . import manifest
+    soc = None
+    if getattr(device, "type", None) == "npu" and _torch_npu_installed():
+        soc = _soc_name(device)
+    notes = []
+    for kernel in manifest.KERNEL_SOURCES:
+        verified, why = manifest.kernel_status(kernel)
+        if not verified:
+            notes.append(f"Ascend C {kernel} was never compiled or run on an NPU ({why}); checked {CPU_CHECKS}; "
+                         f"{ONLY_ON_A_950}")
+            continue
+        run_soc = manifest.hardware_run(kernel)["soc"]
+        if soc != run_soc:
+            notes.append(f"Ascend C {kernel}: {why}; this NPU is {soc or 'unknown'}, on which it was never run")
+    return notes
 
 
 @functools.lru_cache(maxsize=None)

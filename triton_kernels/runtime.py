@@ -150,8 +150,20 @@ _VERIFICATION = {
     "cuda_sm100": f"Blackwell (sm_100): tiles {_UNRUN}",
     "cuda_small_smem": f"99 KB-shared-memory GPUs (sm_86/89): tiles {_UNRUN}",
     "rocm": f"AMD GPUs (gfx942/gfx90a): tiles {_UNRUN}",
-    "npu": f"Ascend A2/A3 NPUs: every kernel variant {_UNRUN}",
 }
+# The SoCs triton_kernels/ascend_compile_check.py compiles every variant for (triton-ascend 3.2.0, A2/A3 only).
+_ASCEND_COMPILE_CHECKED = ("Ascend910B3", "Ascend910B4", "Ascend910_9382")
+
+
+def _ascend_verification(soc: str) -> str:
+    """The caveat for an Ascend NPU named ``soc``: only the compile-checked SoCs are named as checked."""
+    checked = ", ".join(_ASCEND_COMPILE_CHECKED)
+    if soc.startswith("Ascend950"):
+        return (f"Ascend 950 ({soc}): nothing of the Triton tier was compiled or run for a 950 (the compile check "
+                f"covers {checked} only; triton-ascend's PyPI build does not target the 950); never run on an NPU")
+    scope = "this SoC" if soc in _ASCEND_COMPILE_CHECKED else f"not this {soc}"
+    return (f"Ascend {soc}: every kernel variant is compile-checked (lowers and fits UB/L1) for {checked} only "
+            f"({scope}) and never run on an NPU: run the test suite here before trusting results")
 
 
 def verification(device: torch.device) -> list[str]:
@@ -163,5 +175,7 @@ def verification(device: torch.device) -> list[str]:
         import triton
         return [f"Hopper: Triton {triton.__version__} is not a version the warp-specialized kernels were checked "
                 "with (3.6, 3.7), so the portable kernels run: about half the speed on compute-bound shapes"]
+    if kind == "npu":
+        return [_ascend_verification(str(torch.npu.get_device_name(device)))]
     note = _VERIFICATION.get(kind)
     return [note] if note else []

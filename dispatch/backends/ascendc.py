@@ -22,6 +22,10 @@ class AscendCBackend(Backend):
         from anymla.ascendc_kernels import unavailable_reasons
         return unavailable_reasons(device)
 
+    def caveats(self, device: torch.device) -> list[str]:
+        from anymla.ascendc_kernels.runtime import caveats
+        return caveats(device)
+
     def shape_reasons(self, problem) -> list[str]:
         from anymla.ascendc_kernels.hot_shapes import shape_reasons
         return shape_reasons(problem)
