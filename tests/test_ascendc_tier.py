@@ -278,7 +278,8 @@ def test_manifest_hashes_are_current_and_kernel_unverified():
     verified, why = manifest.kernel_status("sparse_attention_v41")
     assert not verified and "unverified" in why
     names = {name for name, _ in manifest.hashed_files("sparse_attention_v41")}
-    tier = {"__init__.py", "runtime.py", "launch.py", "manifest.py", "ops.py", "op_args.py", "hot_shapes.py", "tiling.py"}
+    tier = {"__init__.py", "runtime.py", "launch.py", "manifest.py", "ops.py", "op_args.py", "hot_shapes.py",
+            "tiling.py"}
     assert tier | {"anymla.backends.ascendc", "CMakeLists.txt"} <= {n.split("/")[-1] for n in names}
     kernel = {n.split("/")[-1] for n in names if n.startswith("sparse_attention_v41/op_kernel/")}
     assert {"sparse_attention_v41.asc", "tiling_data.h", "data_paths.h", "layout.h", "platform.h"} <= kernel

@@ -183,7 +183,8 @@ _VALUE = re.compile(_QUALIFIERS + r"[\w:]+\s+(\w+)\s*=\s*([^;{]+);")
 _FUNC = re.compile(_QUALIFIERS + r"[\w:]+\s+(\w+)\s*\(([^)]*)\)\s*\{\s*return\s+([^;]+);\s*\}")
 _ENUM = re.compile(r"enum\s+class\s+(\w+)\s*:\s*\w+\s*\{([^}]*)\};")
 _STRUCT = re.compile(r"(?:template\s*<([^>]*)>\s*)?struct\s+(\w+)\s*\{")
-_FIXPIPE_CONFIG = re.compile(r"constexpr\s+FixpipeConfig\s+(\w+)\s*(?:=\s*)?\{\s*CO2Layout::(\w+)\s*(?:,\s*(\w+))?\s*\}")
+_FIXPIPE_CONFIG = re.compile(r"constexpr\s+FixpipeConfig\s+(\w+)\s*(?:=\s*)?"
+                             r"\{\s*CO2Layout::(\w+)\s*(?:,\s*(\w+))?\s*\}")
 
 
 def _body(text: str, open_brace: int) -> tuple[str, int]:

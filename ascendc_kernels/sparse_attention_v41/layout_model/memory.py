@@ -61,7 +61,8 @@ def nz_offsets(rows: int, cols: int, per_block: int = FRACTAL) -> np.ndarray:
 def zn_offsets(rows: int, cols: int) -> np.ndarray:
     """Element offsets of a Zn [rows (K), cols (N)] matrix of 16 x 16 fractals."""
     r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
-    return ((r // FRACTAL) * (cols // FRACTAL) + c // FRACTAL) * FRACTAL * FRACTAL + (c % FRACTAL) * FRACTAL + r % FRACTAL
+    fractal = (r // FRACTAL) * (cols // FRACTAL) + c // FRACTAL
+    return fractal * FRACTAL * FRACTAL + (c % FRACTAL) * FRACTAL + r % FRACTAL
 
 
 def read_matrix(mem: Memory, offset: int, offsets: np.ndarray, dtype) -> np.ndarray:

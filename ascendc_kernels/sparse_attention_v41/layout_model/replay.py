@@ -115,7 +115,8 @@ def replay_block(headers: Headers, fixpipe: tuple[str, bool], main: int, extra: 
     slots = np.where(np.arange(64) < limit, block_idx, -1)
     slots = np.where(slots <= rows - 1, slots, -1)
     slots = np.where(slots >= 0, slots, -1)
-    addr = (slots // PAGE).astype(np.int64) * block_stride + (slots - slots // PAGE * PAGE).astype(np.int64) * row_stride
+    page_of = slots // PAGE  # floor and C division differ only on invalid (-1) lanes, whose offset is unused
+    addr = page_of.astype(np.int64) * block_stride + (slots - page_of * PAGE).astype(np.int64) * row_stride
     pos = np.arange(first, first + 64)
     ref_valid = (pos < TOPK) & (pos < LENGTH) & (block_idx >= 0) & (block_idx < rows)  # emulation.py's rule
     if not np.array_equal(slots >= 0, ref_valid):

@@ -3,7 +3,7 @@
 // and one-line constexpr functions of tiling_data.h. The kernel passes exactly these to the Ascend C calls; the
 // layout model (../layout_model/) parses this file and layout.h to replay the same movements on numpy memories
 // and compare the result with anymla.kvcache and the reference, so a wrong stride or fractal order fails a CPU
-// test. Keep every definition one `constexpr` line or a one-line one-`return` function: the model parses them.
+// test. Keep every definition a `constexpr` value or a one-`return` constexpr function: the model parses them.
 //
 // Formats (asc-devkit "关键分形格式详解", Ascend 950): Mmad takes A in L0A as Nz, B in L0B as Zn, and writes C in
 // L0C as Nz. Nz of [M, N]: 16-column blocks outer, then rows, 16 values a row (one 512-byte fractal per 16 x 16).
@@ -30,14 +30,26 @@ constexpr uint32_t kL0cBytes = 256 * 1024;
 // ---- GM -> UB row gathers (DataCopyPad, Normal padding mode) ----
 // Each burst lands padded to 32 bytes ("GMToUB非对齐数据搬运": every block is padded to 32-byte alignment) and
 // dstStride counts 32-byte blocks from the end of one padded burst to the start of the next.
-__aicore__ constexpr uint32_t GmRowBytes(KvFormat f) { return f == KvFormat::kBf16 ? kHeadDim * 2 : f == KvFormat::kFp8 ? 528 : f == KvFormat::kFp4 ? 288 : 0; }
-__aicore__ constexpr uint32_t UbRowBytes(KvFormat f) { return (GmRowBytes(f) + kDataBlock - 1) / kDataBlock * kDataBlock; }
+__aicore__ constexpr uint32_t GmRowBytes(KvFormat f)
+{
+    return f == KvFormat::kBf16 ? kHeadDim * 2 : f == KvFormat::kFp8 ? 528 : f == KvFormat::kFp4 ? 288 : 0;
+}
+__aicore__ constexpr uint32_t UbRowBytes(KvFormat f)
+{
+    return (GmRowBytes(f) + kDataBlock - 1) / kDataBlock * kDataBlock;
+}
 // Gathered rows sit at one pitch, the widest row of the instantiation, so row r of a chunk is at r * pitch
 // whichever source the block comes from.
-__aicore__ constexpr uint32_t RawPitch(KvFormat main, KvFormat extra) { return UbRowBytes(main) > UbRowBytes(extra) ? UbRowBytes(main) : UbRowBytes(extra); }
+__aicore__ constexpr uint32_t RawPitch(KvFormat main, KvFormat extra)
+{
+    return UbRowBytes(main) > UbRowBytes(extra) ? UbRowBytes(main) : UbRowBytes(extra);
+}
 // dstStride of a two-row copy ("gather2"): the second row must start one pitch after the first, so the gap is
 // the pitch minus the padded row (FP4 rows of 288 B at the 544 B pitch of FP8 + FP4: 8 blocks; FP8 rows: 0).
-__aicore__ constexpr uint32_t PairDstGap(KvFormat row, KvFormat main, KvFormat extra) { return (RawPitch(main, extra) - UbRowBytes(row)) / kDataBlock; }
+__aicore__ constexpr uint32_t PairDstGap(KvFormat row, KvFormat main, KvFormat extra)
+{
+    return (RawPitch(main, extra) - UbRowBytes(row)) / kDataBlock;
+}
 // Keys whose gather parameters the vector core computes at once: the whole block (every AIV's softmax needs the
 // validity of all 64 keys, its gathers the addresses of its own 32).
 constexpr uint32_t kIndexLanes = kBlockTopk;

@@ -53,11 +53,26 @@ __aicore__ inline LocalTensor<T> At(uint32_t byte_offset)
 {
     return LocalTensor<T>(POS, byte_offset, (MEMORY_BYTES - byte_offset) / sizeof(T));
 }
-template <typename T> __aicore__ inline LocalTensor<T> Ub(uint32_t off) { return At<T, TPosition::VECCALC, kUbBytes>(off); }
-template <typename T> __aicore__ inline LocalTensor<T> L1(uint32_t off) { return At<T, TPosition::A1, kL1Bytes>(off); }
-template <typename T> __aicore__ inline LocalTensor<T> L0a(uint32_t off) { return At<T, TPosition::A2, kL0aBytes>(off); }
-template <typename T> __aicore__ inline LocalTensor<T> L0b(uint32_t off) { return At<T, TPosition::B2, kL0bBytes>(off); }
-template <typename T> __aicore__ inline LocalTensor<T> L0c(uint32_t off) { return At<T, TPosition::CO1, kL0cBytes>(off); }
+template <typename T> __aicore__ inline LocalTensor<T> Ub(uint32_t off)
+{
+    return At<T, TPosition::VECCALC, kUbBytes>(off);
+}
+template <typename T> __aicore__ inline LocalTensor<T> L1(uint32_t off)
+{
+    return At<T, TPosition::A1, kL1Bytes>(off);
+}
+template <typename T> __aicore__ inline LocalTensor<T> L0a(uint32_t off)
+{
+    return At<T, TPosition::A2, kL0aBytes>(off);
+}
+template <typename T> __aicore__ inline LocalTensor<T> L0b(uint32_t off)
+{
+    return At<T, TPosition::B2, kL0bBytes>(off);
+}
+template <typename T> __aicore__ inline LocalTensor<T> L0c(uint32_t off)
+{
+    return At<T, TPosition::CO1, kL0cBytes>(off);
+}
 
 // FixPipe to UB must say so: the Fixpipe doc ("L0C Buffer到UB数据搬运") forbids CFG_ROW_MAJOR / CFG_NZ /
 // CFG_COLUMN_MAJOR for this path and asks for a config built with isToUB = true; with isToUB = false the 950
