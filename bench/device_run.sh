@@ -36,7 +36,7 @@ for part in "${parts[@]}"; do
         ${TESTS:-tests} 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     overhead)
       flashmla_wait
-      TRITON_CACHE_DIR=$(mktemp -d) python3 -m anymla.bench.overhead --csv "$OUT/overhead.csv" 2>&1 | tee "$OUT/overhead.log" ;;
+      TRITON_CACHE_DIR=$(mktemp -d) python3 -m anymla.bench.overhead --csv "$OUT/overhead.csv" ${OVERHEAD_ARGS:-} 2>&1 | tee "$OUT/overhead.log" ;;
     sweep)
       cases=(); for c in ${SWEEP_CASES:-}; do cases+=(--case "$c"); done
       timeout "${SWEEP_TIMEOUT:-1000}" python3 -m anymla.triton_kernels.harness --suite "${SWEEP_SUITE:-tp}" --sweep \

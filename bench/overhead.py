@@ -136,7 +136,20 @@ def _eager(fn, device) -> tuple[float, float]:
     return sorted(host)[len(host) // 2], (time.perf_counter() - t0) * 1e6 / 200
 
 
-def host(device) -> list[dict]:
+def _profile(name: str, fn) -> None:
+    """Where the host time of 200 calls goes (cProfile, the top functions by own time)."""
+    import cProfile
+    import pstats
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(200):
+        fn()
+    profile.disable()
+    print(f"profile of 200 calls: {name}")
+    pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+
+
+def host(device, profile: bool = False) -> list[dict]:
     have_flash_mla = importlib.util.find_spec("flash_mla") is not None
     rows = []
     for name, op, build in _host_cases(device):
@@ -150,20 +163,29 @@ def host(device) -> list[dict]:
             host_us, eager_us = _eager(fn, device)
             rows.append(dict(part="host", case=name, who=who, host_us=host_us, eager_us=eager_us))
             print(f"host  {name:32s} {who:9s} host {host_us:7.1f} µs/call   eager {eager_us:8.1f} µs/call", flush=True)
+            if profile and who == "anymla":
+                _profile(name, fn)
         del a, calls
         torch.cuda.empty_cache()
     return rows
 
 
-def _first_calls(config: dict, sizes, device) -> tuple[list, int]:
+_PER_REQUEST = ("q", "indices")
+
+
+def _server(h_q: int, sizes, device) -> dict:
+    """One cache and the per-request tensors of the largest batch: a batch of b is their first b rows."""
+    big = sparse_decode_inputs(max(sizes), 1, h_q, 4096, 512, fmt=KVCacheFormat.V32_FP8, device=device)
+    big["tile_scheduler_metadata"] = None
+    return big
+
+
+def _first_calls(big: dict, sizes, device) -> tuple[list, int]:
     """Per size: (first call µs, repeated call µs) wall time with a synchronization, and kernels compiled."""
     from anymla.triton_kernels.launcher import compiled_kernels
-    big = sparse_decode_inputs(max(sizes), 1, config["h_q"], 4096, 512, fmt=KVCacheFormat.V32_FP8, device=device)
-    per_request = ("q", "indices")
     kernels0, times = compiled_kernels(), []
     for b in sizes:
-        a = {k: (v[:b] if k in per_request else v) for k, v in big.items()}
-        a["tile_scheduler_metadata"] = None
+        a = {k: (v[:b] if k in _PER_REQUEST else v) for k, v in big.items()}
         run = []
         for _ in range(2):
             torch.cuda.synchronize(device)
@@ -178,15 +200,15 @@ def _first_calls(config: dict, sizes, device) -> tuple[list, int]:
 def cold(device) -> list[dict]:
     sizes = range(1, 257)
     rows = []
-    times, kernels = _first_calls({"h_q": 64}, sizes, device)
+    times, kernels = _first_calls(_server(64, sizes, device), sizes, device)
     worst = max(range(len(times)), key=lambda i: times[i][0])
     rows.append(dict(part="cold", case="sparse V3.2 h64, b 1..256, no warmup", who="anymla", kernels=kernels,
                      worst_first_us=times[worst][0], worst_b=sizes[worst],
                      median_first_over_repeat=sorted(f / r for f, r in times)[len(times) // 2]))
-    big = sparse_decode_inputs(1, 1, 32, 4096, 512, fmt=KVCacheFormat.V32_FP8, device=device)
-    big["tile_scheduler_metadata"] = None
-    report = anymla.warmup(anymla.flash_mla_with_kvcache, sizes=sizes, **big)
-    times, kernels = _first_calls({"h_q": 32}, sizes, device)
+    big = _server(32, sizes, device)
+    example = {k: (v[:1] if k in _PER_REQUEST else v) for k, v in big.items()}
+    report = anymla.warmup(anymla.flash_mla_with_kvcache, sizes=sizes, **example)
+    times, kernels = _first_calls(big, sizes, device)
     ratios = [f / r for f, r in times]
     rows.append(dict(part="cold", case="sparse V3.2 h32, b 1..256, after warmup", who="anymla", kernels=kernels,
                      warmup=str(report), worst_first_over_repeat=max(ratios),
@@ -200,6 +222,7 @@ def cold(device) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--csv", help="write every row to this CSV file")
+    ap.add_argument("--profile", action="store_true", help="print where anymla's host time goes (cProfile)")
     args = ap.parse_args()
     r = dispatch()
     print(f"dispatch: one call through the dispatcher without a kernel, torch {torch.__version__}: "
@@ -209,7 +232,7 @@ def main() -> None:
     if torch.cuda.is_available():
         device = torch.device("cuda")
         rows += cold(device)  # first: a new process whose kernels are not compiled yet
-        rows += host(device)
+        rows += host(device, args.profile)
     if args.csv:
         fields = sorted({k for row in rows for k in row}, key=lambda k: (k not in ("part", "case", "who"), k))
         with open(args.csv, "w", newline="") as f:

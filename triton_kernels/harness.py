@@ -61,11 +61,10 @@ SWEEP.update({name: _FEW_HEADS for name in ("v32-decode-h16", "v32-decode-h8", "
 # The tp suite (issue 14). Few-head decoding dequantizes as many bytes per token as 128 heads do with a quarter
 # of the warps a multiprocessor can hold busy (one 4-warp program of 6 stages takes ~130 KB of shared memory):
 # more warps per program, or shallower programs of which several fit, and more splits to fill them.
-_FEW_HEAD_DECODE = ([Config()] +
+_FEW_HEAD_DECODE = ([Config(), Config(warp_specialized=True), Config(splits=2, warp_specialized=True)] +
                     [Config(TileConfig(16, bn, w, st, False), sp) for bn, w, st in
                      ((32, 8, 3), (32, 8, 4), (64, 8, 2), (16, 4, 4), (32, 4, 3), (16, 8, 6)) for sp in (None, 4)])
-_FEW_HEAD_PREFILL = [Config(), Config(TileConfig(16, 64, 8, 2, False)), Config(TileConfig(16, 32, 4, 4, False)),
-                     Config(TileConfig(32, 64, 8, 2, False)), Config(TileConfig(16, 64, 4, 3, False))]
+_FEW_HEAD_PREFILL = [Config(), Config(warp_specialized=False)]
 SWEEP.update({name: _FEW_HEAD_DECODE for name in ("tp-sdecode-v32-b128-h16", "tp-sdecode-v32-b128-h8",
                                                   "tp-sdecode-model1-b128-h16", "tp-sdecode-v41+fp4-b128-h16")})
 SWEEP.update({"tp-prefill-h16-d576": _FEW_HEAD_PREFILL, "tp-prefill-h32-d512": _FEW_HEAD_PREFILL,

@@ -101,8 +101,9 @@ def _portable(kind: str, rows: int, quantized: bool = False) -> Optional[TileCon
     return None
 
 
-def sparse_config(kind: str, heads_per_group: int, quantized: bool) -> TileConfig:
-    """Tiles of the sparse kernel for ``heads_per_group`` query heads sharing one index list."""
+def sparse_config(kind: str, heads_per_group: int, quantized: bool, fmt: str = "") -> TileConfig:
+    """Tiles of the sparse kernel for ``heads_per_group`` query heads sharing one index list (``fmt``: the
+    main cache's format name, for the formats whose few-head tile differs)."""
     tile = _portable(kind, heads_per_group, quantized)
     if tile is not None:
         return tile
@@ -115,6 +116,10 @@ def sparse_config(kind: str, heads_per_group: int, quantized: bool) -> TileConfi
     # and 6 stages keep several blocks in flight (the pipeliner prefetches gathers only from 5 stages on),
     # 1.2-1.9x faster than 64 rows and 2 stages on the H200 (sweep run 13).
     bh = _rows_block(heads_per_group, 64)
+    if bh < 64 and fmt == "MODEL1_FP8":
+        # H200 tp sweep, 2026-12-01 (sparse_mla/NOTES.md): MODEL1 at 16 heads (+512 extra) 292 µs with 64-key blocks
+        # on 8 warps (one stage: two do not fit), 437 µs with the 32-key, 6-stage tile of the other formats.
+        return TileConfig(bh, 64, 8, 1, False)
     if bh < 64:
         return TileConfig(bh, 32, 4, 6, False) if quantized else TileConfig(bh, 64, 4, 2, False)
     if kind == "cuda_sm100" and not quantized:
@@ -141,6 +146,17 @@ def dense_config(kind: str, rows_per_kv_head: int) -> TileConfig:
 # row; 64-key blocks in 2 stages fill the 227 KB of shared memory with the queries (H200, 2026-11-29, dense:
 # 32-key blocks in 4 stages were 40 % slower, dense_decode/NOTES.md).
 _WARP_SPECIALIZED = TileConfig(64, 64, 12, 2, False)
+
+
+# Whether the Hopper kernels take calls with fewer than 33 query rows a kv head (tensor-parallel head counts),
+# masking the rest of their 64-row tile, and the measurement behind each answer.
+HOPPER_FEW_ROWS = {
+    "sparse_prefill": (True, "H200, 2026-12-01: h_q 16 d_qk 576 2911 µs on the Hopper kernel with heads padded to 64 "
+                             "vs 3332 portable; h_q 32 d_qk 512 2502 vs 4084"),
+    "sparse_decode": (False, "H200, 2026-12-01: V3.2 b128 h_q 16 portable 218 µs; the 64-row kernel dequantizes as much "
+                             "per token as at 64 heads"),
+    "dense_decode": (False, "H200, 2026-11-29: the portable kernel decodes b128 h_q 16 at 0.94x copy"),
+}
 
 
 def warp_specialized_config() -> Optional[TileConfig]:

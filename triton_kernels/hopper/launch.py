@@ -1,7 +1,7 @@
 """Host side of the Hopper kernels: whether a call fits them, and their launches.
 
 They serve sm_90 GPUs with Triton 3.6 or 3.7 (Gluon), for 64-row tiles (the compute-bound regime), one kv head
-and 16-bit values (sparse decoding: V3.2 and V4.1 quantized caches); everything else keeps the portable
+and 16-bit values (sparse decoding: V3.2, V4.1 and MODEL1 quantized caches); everything else keeps the portable
 kernels. ``tuning.forced(warp_specialized=...)`` turns them off or insists on them (an error when the call does
 not fit).
 """
@@ -17,11 +17,13 @@ from anymla.kvcache import KVCacheFormat
 
 from .. import runtime
 from ..launcher import LatestDescriptors, Launcher
-from ..tuning import TileConfig, forced_tma, forced_warp_specialized, warp_specialized_config
+from ..tuning import HOPPER_FEW_ROWS, TileConfig, forced_tma, forced_warp_specialized, warp_specialized_config
 
 
-def _device_reasons(device: torch.device, tile: TileConfig) -> list[str]:
-    """Why the Hopper kernels cannot take this device or tile (empty: they can)."""
+def _device_reasons(device: torch.device, tile: TileConfig, op: str = "") -> list[str]:
+    """Why the Hopper kernels cannot take this device or tile (empty: they can). ``op``'s entry of
+    ``tuning.HOPPER_FEW_ROWS`` says whether they take calls of fewer than 33 rows a kv head (their 64-row tile
+    then masks the rows past h_q); forcing them takes such calls whatever it says (sweeps)."""
     if forced_warp_specialized() is False:
         return ["turned off (tuning.forced(warp_specialized=False))"]
     kind = runtime.device_kind(device)
@@ -32,9 +34,9 @@ def _device_reasons(device: torch.device, tile: TileConfig) -> list[str]:
         return [f"Triton {triton.__version__}'s Gluon is not a version they were checked with (3.6, 3.7)"]
     if warp_specialized_config() is None:
         return ["a tile of the portable kernel is forced"]
-    if tile.block_h != 64:
-        return ["fewer than 33 query rows a kv head: a 64-row tile would be mostly padding (the portable kernel's "
-                "small tiles run such calls at the copy rate)"]
+    few_rows, why = HOPPER_FEW_ROWS.get(op, (False, ""))
+    if tile.block_h != 64 and not (few_rows or forced_warp_specialized()):
+        return [f"fewer than 33 query rows a kv head: the portable kernel's small tiles are faster here ({why})"]
     return []
 
 
@@ -50,7 +52,7 @@ def _value_reasons(q: torch.Tensor, kv: torch.Tensor, h_kv: int) -> list[str]:
 def dense_decode_reasons(p, tile: TileConfig) -> list[str]:
     """Why the Hopper dense kernel does not serve this call (empty: it does). Besides the device and values:
     pages of whole key blocks and cache rows the TMA can address flat."""
-    reasons = _device_reasons(p.device, tile)
+    reasons = _device_reasons(p.device, tile, "dense_decode")
     if reasons:
         return reasons
     kv = p.k_cache
@@ -69,7 +71,7 @@ def dense_decode_reasons(p, tile: TileConfig) -> list[str]:
 def sparse_prefill_reasons(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, tile: TileConfig) -> list[str]:
     """Why the Hopper prefill kernel does not serve this call (empty: it does). Besides the device and
     values: rows the 16-byte copies can address."""
-    reasons = _device_reasons(q.device, tile) or _value_reasons(q, kv, kv.shape[1])
+    reasons = _device_reasons(q.device, tile, "sparse_prefill") or _value_reasons(q, kv, kv.shape[1])
     if not reasons and (kv.stride(0) * kv.element_size() % 16 or indices.stride(-1) != 1):
         reasons.append("kv rows not 16-byte aligned, or indices not contiguous along topk")
     return reasons
@@ -77,23 +79,29 @@ def sparse_prefill_reasons(q: torch.Tensor, kv: torch.Tensor, indices: torch.Ten
 
 def sparse_decode_reasons(p, tile: TileConfig) -> list[str]:
     """Why the Hopper decoding kernel does not serve this sparse ``flash_mla_with_kvcache`` call (empty: it
-    does). Besides the device: a V3.2 FP8 cache alone, or a V4.1 FP8 cache with or without a V4.1 (FP8 or FP4)
-    extra cache; bf16 queries; rows the 16-byte copies can address."""
-    reasons = _device_reasons(p.device, tile)
+    does). Besides the device: a V3.2 FP8 cache alone, a V4.1 FP8 cache with or without a V4.1 (FP8 or FP4)
+    extra cache, or a MODEL1 FP8 cache with or without a MODEL1 FP8 extra cache; bf16 queries; rows the 16-byte
+    copies can address."""
+    reasons = _device_reasons(p.device, tile, "sparse_decode")
     if reasons:
         return reasons
     F = KVCacheFormat
+    extras = {F.V41_FP8: (F.V41_FP8, F.V41_FP4), F.MODEL1_FP8: (F.MODEL1_FP8,)}
     if p.fmt is F.V32_FP8 and p.extra_k_cache is not None:
         reasons.append("a V32_FP8 cache with an extra cache: it reads a V3.2 cache alone")
-    elif p.fmt not in (F.V32_FP8, F.V41_FP8):
-        reasons.append(f"a {p.fmt.name} cache: it dequantizes V32_FP8 and V41_FP8 main caches")
-    if p.extra_k_cache is not None and p.extra_fmt not in (F.V41_FP8, F.V41_FP4):
-        reasons.append(f"a {p.extra_fmt.name} extra cache: it dequantizes V41_FP8 and V41_FP4 extra caches")
+    elif p.fmt not in (F.V32_FP8, *extras):
+        reasons.append(f"a {p.fmt.name} cache: it dequantizes V32_FP8, V41_FP8 and MODEL1_FP8 main caches")
+    elif p.extra_k_cache is not None and p.extra_fmt not in extras[p.fmt]:
+        reasons.append(f"a {p.extra_fmt.name} extra cache with a {p.fmt.name} cache: it pairs V41_FP8 caches with "
+                       "V41_FP8 or V41_FP4 extra caches and MODEL1_FP8 caches with MODEL1_FP8 ones")
     if p.q.dtype != torch.bfloat16 or p.q.stride(-1) != 1:
         reasons.append(f"q {p.q.dtype}: it takes bf16, contiguous along its last dimension")
-    for kv in (p.k_cache, p.extra_k_cache):
-        if kv is not None and (kv.data_ptr() % 16 or (kv.stride(0) * kv.element_size()) % 16
-                               or (kv.stride(1) * kv.element_size()) % 16):
+    for kv, fmt in ((p.k_cache, p.fmt), (p.extra_k_cache, p.extra_fmt)):
+        if kv is None:
+            continue
+        # MODEL1 rows lie 576 bytes apart in their block, whatever the row stride of the container view (584).
+        row_bytes = 576 if fmt is F.MODEL1_FP8 else kv.stride(1) * kv.element_size()
+        if kv.data_ptr() % 16 or (kv.stride(0) * kv.element_size()) % 16 or row_bytes % 16:
             reasons.append("cache blocks or rows not 16-byte aligned")
             break
     return reasons

@@ -21,7 +21,7 @@ from .. import runtime
 from ..fit import FittedKernel
 from ..hopper import launch as hopper
 from ..splits import Combine, choose_num_splits, workspaces
-from ..tuning import TileConfig, sparse_config
+from ..tuning import TileConfig, sparse_config, warp_specialized_config
 from .kernel import sparse_mla_kernel
 
 _FMT_CODE = {KVCacheFormat.BF16: 0, KVCacheFormat.V32_FP8: 1, KVCacheFormat.MODEL1_FP8: 2,
@@ -132,16 +132,17 @@ class SparseDecodePlan:
         b, s_q, h_q, d = p.q.shape
         self.tokens = tokens = b * s_q
         self.fmt, self.x_fmt = fmt, x_fmt = p.fmt, p.extra_fmt
-        tile = sparse_config(runtime.device_kind(p.device), h_q, fmt.is_quantized)
+        tile = sparse_config(runtime.device_kind(p.device), h_q, fmt.is_quantized, fmt.name)
+        reasons = hopper.sparse_decode_reasons(p, tile)
+        self.hopper = hopper.use(reasons)
+        shape = warp_specialized_config() if self.hopper else tile  # the programs the splits must fill
         keys = p.indices.shape[-1] + (0 if p.extra_indices is None else p.extra_indices.shape[-1])
-        self.num_splits = choose_num_splits(tokens * triton.cdiv(h_q, tile.block_h), triton.cdiv(keys, tile.block_n),
-                                            runtime.num_cores(p.device), tile.programs_per_core, p.batch_invariant)
+        self.num_splits = choose_num_splits(tokens * triton.cdiv(h_q, shape.block_h), triton.cdiv(keys, shape.block_n),
+                                            runtime.num_cores(p.device), shape.programs_per_core, p.batch_invariant)
         split = self.num_splits > 1
         has_x = p.extra_k_cache is not None
         has_len, has_x_len, has_sink = p.topk_length is not None, p.extra_topk_length is not None, \
             p.attn_sink is not None
-        reasons = hopper.sparse_decode_reasons(p, tile)
-        self.hopper = hopper.use(reasons)
         if self.hopper:
             self.launch = hopper.SparseDecodeLaunch(tokens, h_q, d, _FMT_CODE[fmt], _FMT_CODE[x_fmt or fmt], has_x,
                                                     has_len, has_x_len, has_sink, split)
