@@ -270,6 +270,27 @@ WARP_SPECIALIZED_DECODE += [
     dict(fmt=F.V41_FP8, h_q=64, s_k=300, topk=128, page=16, b=6, s_q=1, zero_len_frac=0.5, block_pad=1,
          extra=dict(fmt=F.V41_FP4, page=16, s_k=200, topk=100, topk_length=True)),
 ]
+# MODEL1 (V4) FP8 main caches, alone or with a MODEL1 extra cache of its own page size (FlashMLA's CONFIG1/2:
+# pages 256 and 64); odd pages put a block's scales at offsets that are no multiple of anything but 8
+WARP_SPECIALIZED_DECODE += [dict(fmt=F.MODEL1_FP8, h_q=h, s_k=s_k, topk=k, page=page, b=4, s_q=s_q, sink=extras,
+                                 topk_length=extras, extra=x)
+                            for h in (128, 40) for (s_k, k, page) in ((512, 64, 2), (1024, 576, 61), (2046, 2048, 64),
+                                                                      (1024, 128, 256))
+                            for s_q, extras in ((1, False), (2, True))
+                            for x in (None, dict(fmt=F.MODEL1_FP8, page=64, s_k=600, topk=512, topk_length=True),
+                                      dict(fmt=F.MODEL1_FP8, page=32, s_k=150, topk=100))]
+WARP_SPECIALIZED_DECODE += [
+    dict(fmt=F.MODEL1_FP8, h_q=64, s_k=4096, topk=128, page=256, b=8, s_q=2, topk_length=True, sink=True,
+         extra=dict(fmt=F.MODEL1_FP8, page=64, s_k=2048, topk=512, topk_length=True)),  # CONFIG1, smaller batch
+    dict(fmt=F.MODEL1_FP8, h_q=128, s_k=4096, topk=128, page=256, b=4, s_q=2,
+         extra=dict(fmt=F.MODEL1_FP8, page=2, s_k=2048, topk=1024)),  # CONFIG2, extra pages of 2
+    dict(fmt=F.MODEL1_FP8, h_q=64, s_k=300, topk=64, page=16, b=2, s_q=3, all_invalid=True, sink=True,
+         extra=dict(fmt=F.MODEL1_FP8, page=1, s_k=200, topk=64)),
+    dict(fmt=F.MODEL1_FP8, h_q=64, s_k=300, topk=128, page=64, b=6, s_q=1, zero_len_frac=0.5, sink=True,
+         extra=dict(fmt=F.MODEL1_FP8, page=32, s_k=200, topk=100, topk_length=True)),
+    dict(fmt=F.MODEL1_FP8, h_q=128, s_k=300, topk=192, page=5, b=3, s_q=2, shuffle_invalid=True,  # leading -1
+         extra=dict(fmt=F.MODEL1_FP8, page=64, s_k=200, topk=64)),
+]
 
 
 @pytest.mark.parametrize("splits", (1, 3, 16), ids=lambda n: f"splits{n}")

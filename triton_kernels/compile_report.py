@@ -212,10 +212,17 @@ def hopper_reports() -> list:
             ("hopper decode v32", kernels.sparse_decode_hopper_kernel, decode_ptrs,
              dict(D_QK=576, FMT=1, X_FMT=1, HAS_X=False, HAS_LEN=True, HAS_X_LEN=False, **decode)),
             ("hopper decode v41+fp4", kernels.sparse_decode_hopper_kernel, decode_ptrs,
-             dict(D_QK=512, FMT=3, X_FMT=4, HAS_X=True, HAS_LEN=True, HAS_X_LEN=True, **decode))]
+             dict(D_QK=512, FMT=3, X_FMT=4, HAS_X=True, HAS_LEN=True, HAS_X_LEN=True, **decode)),
+            ("hopper decode model1", kernels.sparse_decode_hopper_kernel, decode_ptrs,
+             dict(D_QK=512, FMT=2, X_FMT=2, HAS_X=False, HAS_LEN=True, HAS_X_LEN=False, **decode)),
+            ("hopper decode model1+x", kernels.sparse_decode_hopper_kernel, decode_ptrs,
+             dict(D_QK=512, FMT=2, X_FMT=2, HAS_X=True, HAS_LEN=True, HAS_X_LEN=True, **decode))]
     # Spills allowed: a few bytes, except in the V4.1 + FP4 decoding kernel, whose FP4 loop spills ~0.6-0.8 KB
-    # and still beat the portable kernel on the H200 (sparse_mla/NOTES.md run 27): more is a regression.
-    budgets = {"hopper decode v41+fp4": 1024}
+    # and still beat the portable kernel on the H200 (sparse_mla/NOTES.md run 27), and in the MODEL1 kernel
+    # with a MODEL1 extra cache (212 bytes on Triton 3.7.1, 196 on 3.6, almost all outside the loops; in the
+    # extra cache's loop ~25 reloads of q's matrix descriptors a block of ~1700 instructions): the second
+    # source's loop no longer holds in registers what the first one did. More is a regression.
+    budgets = {"hopper decode v41+fp4": 1024, "hopper decode model1+x": 256}
     return [(label, report(kernel, ptrs, consts, 4, ARCHS["90"], GluonASTSource, maxnreg=REGS.value),
              budgets.get(label, 64)) for label, kernel, ptrs, consts in jobs]
 

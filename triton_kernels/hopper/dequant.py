@@ -10,8 +10,9 @@ the output partitions run as for the other kernels (``FILL_BY_SOFTMAX``).
 
 Formats (``anymla.kvcache``): V3.2 FP8 (656 bytes: 512 e4m3, 4 fp32 scales a 128 columns, 64 bf16 rope values
 copied straight into shared memory by ``cp.async``), V4.1 FP8 (528 bytes: 512 e4m3, 16 e8m0 scales a 32
-columns) and V4.1 FP4 (288 bytes: 512 e2m1, 32 e4m3 scales a 16 columns). An extra cache is a second source:
-its blocks follow the main cache's under one softmax.
+columns), V4.1 FP4 (288 bytes: 512 e2m1, 32 e4m3 scales a 16 columns) and MODEL1/V4 FP8 (per block: rows of
+448 e4m3 and 64 bf16 rope values, the latent's columns [448, 512), then every row's 8 e8m0 scale bytes, 7 used, a
+64 columns). An extra cache is a second source: its blocks follow the main cache's under one softmax.
 """
 
 from triton.experimental import gluon
@@ -19,7 +20,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from ..common import FMT_V32_FP8, FMT_V41_FP4, FMT_V41_FP8
+from ..common import FMT_MODEL1_FP8, FMT_V32_FP8, FMT_V41_FP4, FMT_V41_FP8
 from .partitions import (BLOCK_H, NEG, ROWS_LAYOUT, block_indices, exp2_approx, publish_alpha, publish_p,
                          publish_totals, warpgroup_mma_layout)
 
@@ -27,6 +28,8 @@ from .partitions import (BLOCK_H, NEG, ROWS_LAYOUT, block_indices, exp2_approx, 
 # warpgroup gets the rest of the register file (184), for the block it holds in flight.
 OUTPUT_REGS = gl.constexpr(160)
 ROPE_AT = gl.constexpr(528)  # V3.2: byte offset of the bf16 rope values in a row
+MODEL1_ROW = gl.constexpr(576)  # MODEL1: bytes of a row's data (448 codes, 64 bf16 rope values), scales apart
+MODEL1_ROPE_TILE = gl.constexpr(7)  # MODEL1: the 64-column tile of the rope values (columns [448, 512))
 # L2 prefetches of a block's rows: [rows, 8] line addresses a thread (a row of at most 656 bytes spans at most 7
 # lines of 128 bytes: offsets 0, 128, ..., and its last byte).
 LINES_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0]))
@@ -36,16 +39,19 @@ PREFETCH_ASM = gl.constexpr("{ .reg .pred p; setp.ge.s32 p, $2, 0; @p prefetch.g
 @gluon.constexpr_function
 def _codes_layout(fmt):
     """A block's codes as [rows, scale tiles, bytes a tile], 8 bytes a thread (8-byte loads). FP8: the 8 lanes
-    of a store phase write one row's 64 bf16 values, a whole 128-byte swizzle row (conflict-free)."""
-    lanes = {FMT_V32_FP8.value: [4, 1, 8], FMT_V41_FP8.value: [4, 2, 4], FMT_V41_FP4.value: [4, 8, 1]}[fmt]
+    of a store phase write one row's 64 bf16 values, a whole 128-byte swizzle row (conflict-free). MODEL1: the
+    tiles lie in registers, so which of them is the rope tile is known when compiling."""
+    lanes = {FMT_V32_FP8.value: [4, 1, 8], FMT_V41_FP8.value: [4, 2, 4], FMT_V41_FP4.value: [4, 8, 1],
+             FMT_MODEL1_FP8.value: [4, 1, 8]}[fmt]
     return gl.BlockedLayout([1, 1, 8], lanes, [4, 1, 1], [2, 1, 0])
 
 
 @gluon.constexpr_function
 def _tiles(fmt):
-    """(scale tiles a row, code bytes a tile, byte offset of the scales, bytes a row)."""
+    """(scale tiles a row, code bytes a tile, byte offset of the scales, bytes a row). MODEL1: 8 tiles of 64
+    columns, the last one the rope's (its scale byte is padding); the scales sit after the block's rows."""
     return {FMT_V32_FP8.value: (4, 128, 512, 656), FMT_V41_FP8.value: (16, 32, 512, 528),
-            FMT_V41_FP4.value: (32, 8, 256, 288)}[fmt]
+            FMT_V41_FP4.value: (32, 8, 256, 288), FMT_MODEL1_FP8.value: (8, 64, None, 576)}[fmt]
 
 
 @gluon.constexpr_function
@@ -62,27 +68,60 @@ def _row_bytes(slots, stride_block, stride_row, page):
 
 
 @gluon.jit
+def _model1_row_bytes(slots, stride_block, page):
+    """MODEL1: byte offsets of the slots' data rows (576 bytes apart from the block's start) and of their scale
+    bytes (8 a row, after all of the block's rows)."""
+    s = gl.maximum(slots, 0)
+    block = (s // page).to(gl.int64) * stride_block
+    row = (s % page).to(gl.int64)
+    return block + row * MODEL1_ROW, block + page * MODEL1_ROW + row * 8
+
+
+@gluon.jit
 def _load_codes(kv_ptr, slots, stride_block, stride_row, page, FMT: gl.constexpr):
     """Issue the loads of a block's codes ``[rows, tiles, bytes]`` (uint8) and its scales ``[rows, tiles]``
-    (fp32 for V3.2, their bytes otherwise); rows of slot -1 read nothing and come out as zeros."""
-    layout: gl.constexpr = _codes_layout(FMT)
-    n_tiles: gl.constexpr = _tiles(FMT)[0]
-    tile_bytes: gl.constexpr = _tiles(FMT)[1]
-    scales_at: gl.constexpr = _tiles(FMT)[2]
-    scales_l: gl.constexpr = gl.SliceLayout(2, layout)
-    base = gl.expand_dims(_row_bytes(slots, stride_block, stride_row, page), 1)
-    tiles = gl.expand_dims(gl.arange(0, n_tiles, layout=gl.SliceLayout(0, scales_l)), 0)
-    ok = gl.expand_dims(slots >= 0, 1) & (tiles >= 0)
-    if FMT == FMT_V32_FP8:
-        scales = gl.load((kv_ptr + base + scales_at + 4 * tiles).to(gl.pointer_type(gl.float32)), mask=ok,
-                         other=0.0)
+    (fp32 for V3.2, their bytes otherwise; MODEL1: ``_load_model1``'s scale words and rope values); rows of
+    slot -1 read nothing and come out as zeros."""
+    if FMT == FMT_MODEL1_FP8:
+        codes, scales = _load_model1(kv_ptr, slots, stride_block, page)
     else:
-        scales = gl.load(kv_ptr + base + scales_at + tiles, mask=ok, other=0)
-    cols = gl.expand_dims(gl.expand_dims(gl.arange(0, tile_bytes, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout))),
-                                         0), 1)
-    codes = gl.load(kv_ptr + gl.expand_dims(base + tile_bytes * tiles, 2) + cols,
-                    mask=gl.expand_dims(ok, 2) & (cols >= 0), other=0)
+        layout: gl.constexpr = _codes_layout(FMT)
+        n_tiles: gl.constexpr = _tiles(FMT)[0]
+        tile_bytes: gl.constexpr = _tiles(FMT)[1]
+        scales_at: gl.constexpr = _tiles(FMT)[2]
+        scales_l: gl.constexpr = gl.SliceLayout(2, layout)
+        base = gl.expand_dims(_row_bytes(slots, stride_block, stride_row, page), 1)
+        tiles = gl.expand_dims(gl.arange(0, n_tiles, layout=gl.SliceLayout(0, scales_l)), 0)
+        ok = gl.expand_dims(slots >= 0, 1) & (tiles >= 0)
+        if FMT == FMT_V32_FP8:
+            scales = gl.load((kv_ptr + base + scales_at + 4 * tiles).to(gl.pointer_type(gl.float32)), mask=ok,
+                             other=0.0)
+        else:
+            scales = gl.load(kv_ptr + base + scales_at + tiles, mask=ok, other=0)
+        cols = gl.expand_dims(gl.expand_dims(gl.arange(0, tile_bytes,
+                                                       layout=gl.SliceLayout(0, gl.SliceLayout(1, layout))), 0), 1)
+        codes = gl.load(kv_ptr + gl.expand_dims(base + tile_bytes * tiles, 2) + cols,
+                        mask=gl.expand_dims(ok, 2) & (cols >= 0), other=0)
     return codes, scales
+
+
+@gluon.jit
+def _load_model1(kv_ptr, slots, stride_block, page):
+    """MODEL1: a block's codes ``[rows, 8, 64]`` (the rope tile, 7, reads nothing) and, as its scales, each
+    row's 8 scale bytes as one 64-bit word ``[rows]`` with its bf16 rope values ``[rows, 1, 64]`` (16 bytes a
+    thread)."""
+    layout: gl.constexpr = _codes_layout(FMT_MODEL1_FP8)
+    data, scales_at = _model1_row_bytes(slots, stride_block, page)
+    valid = slots >= 0
+    words = gl.load((kv_ptr + scales_at).to(gl.pointer_type(gl.uint64)), mask=valid, other=0)
+    base = gl.expand_dims(gl.expand_dims(data, 1), 2)
+    tiles = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout))), 0), 2)
+    cols = gl.expand_dims(gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout))), 0), 1)
+    ok = gl.expand_dims(gl.expand_dims(valid, 1), 2)
+    codes = gl.load(kv_ptr + base + 64 * tiles + cols, mask=ok & (tiles < MODEL1_ROPE_TILE), other=0)
+    rope = gl.load((kv_ptr + base + 64 * MODEL1_ROPE_TILE).to(gl.pointer_type(gl.bfloat16)) + cols,
+                   mask=ok & (cols >= 0), other=0.0)
+    return codes, (words, rope)
 
 
 @gluon.jit
@@ -94,15 +133,25 @@ def _e2m1(code):
 
 @gluon.jit
 def _store_dequantized(k_stage, codes, scales, FMT: gl.constexpr):
-    """``code * scale`` (in fp32, rounded once to 16 bits) into the stage's [rows, 512] latent tile, then wait
-    for the stage's rope copies (V3.2) and make everything visible to the matrix units."""
+    """``code * scale`` (in fp32, rounded once to 16 bits) into the stage's [rows, 512] latent tile (MODEL1:
+    with the rope values as columns [448, 512)), then wait for the stage's rope copies (V3.2) and make
+    everything visible to the matrix units."""
     if FMT == FMT_V32_FP8:
         s = scales
     elif FMT == FMT_V41_FP8:
         s = (scales.to(gl.int32) << 23).to(gl.float32, bitcast=True)  # e8m0
+    elif FMT == FMT_MODEL1_FP8:
+        words, rope = scales
+        s = _model1_scales(words)
     else:
         s = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-    if FMT == FMT_V41_FP4:
+    if FMT == FMT_MODEL1_FP8:
+        # Tiles lie in registers, so the rope tile's select is decided when compiling: its conversions vanish.
+        tiles_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, _codes_layout(FMT)))
+        tiles = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=tiles_l), 0), 2)
+        values = (codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(s, 2)).to(k_stage.dtype)
+        values = gl.where(tiles == MODEL1_ROPE_TILE, rope, values)
+    elif FMT == FMT_V41_FP4:
         # element 2i sits in the low nibble of byte i
         values = gl.join(_e2m1(codes & 0xF) * gl.expand_dims(s, 2), _e2m1(codes >> 4) * gl.expand_dims(s, 2))
     else:
@@ -110,6 +159,15 @@ def _store_dequantized(k_stage, codes, scales, FMT: gl.constexpr):
     k_stage.store(gl.reshape(values.to(k_stage.dtype), [k_stage.shape[0], 512]))
     async_copy.wait_group(0)
     fence_async_shared()
+
+
+@gluon.jit
+def _model1_scales(words):
+    """MODEL1: the e8m0 scales ``[rows, 8]`` (fp32) of the rows' scale words (byte t scales tile t)."""
+    layout: gl.constexpr = _codes_layout(FMT_MODEL1_FP8)
+    shifts = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout))).to(gl.uint64) * 8
+    e8m0 = (gl.expand_dims(words, 1) >> gl.expand_dims(shifts, 0)) & 0xFF
+    return (e8m0.to(gl.int32) << 23).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -127,11 +185,17 @@ def _copy_rope(kr_stage, kv_ptr, slots, stride_block, stride_row, page):
 @gluon.jit
 def _prefetch_rows(kv_ptr, slots, stride_block, stride_row, page, FMT: gl.constexpr):
     """Ask L2 for the rows of a later block (no registers held until they arrive): the loads that dequantize
-    the block then wait for L2, not for memory. Slot -1 asks for nothing."""
+    the block then wait for L2, not for memory. Slot -1 asks for nothing. MODEL1: the eighth line a row is
+    that of its scales (its 576 bytes span at most 6 lines)."""
     row_bytes: gl.constexpr = _tiles(FMT)[3]
     slots = gl.expand_dims(gl.convert_layout(slots, gl.SliceLayout(1, LINES_LAYOUT)), 1)
     lines = gl.expand_dims(gl.minimum(128 * gl.arange(0, 8, layout=gl.SliceLayout(0, LINES_LAYOUT)), row_bytes - 1), 0)
-    addr = kv_ptr + _row_bytes(slots, stride_block, stride_row, page) + lines
+    if FMT == FMT_MODEL1_FP8:
+        data, scales_at = _model1_row_bytes(slots, stride_block, page)
+        last = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, LINES_LAYOUT)), 0) == 7
+        addr = kv_ptr + gl.where(last, scales_at, data + lines)
+    else:
+        addr = kv_ptr + _row_bytes(slots, stride_block, stride_row, page) + lines
     gl.inline_asm_elementwise(PREFETCH_ASM, "=r,l,r", [addr, slots + 0 * lines], dtype=gl.int32, is_pure=False,
                               pack=1)
 

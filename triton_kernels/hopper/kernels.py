@@ -1,5 +1,5 @@
 """The Hopper (sm_90) kernels, in Gluon: dense decoding over a paged bf16/fp16 cache, sparse prefill and
-sparse decoding over a V3.2 FP8 cache.
+sparse decoding over V3.2, V4.1 and MODEL1 quantized caches (``dequant.py``).
 
 Each entry point maps its program to 64 query rows and a key range, stages the queries in shared memory and
 forks into the partitions of ``partitions.py``. Why these kernels exist next to the portable ones, what was
