@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 from typing import Optional
+
+from .environment import env
 
 ENV_DEBUG = "ANYMLA_DEBUG"
 _SCOPED: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("anymla_debug", default=None)
@@ -31,4 +32,4 @@ def debug_checks(enabled: bool = True):
 
 def debug_enabled() -> bool:
     scoped = _SCOPED.get()
-    return os.environ.get(ENV_DEBUG) == "1" if scoped is None else scoped
+    return env(ENV_DEBUG) == "1" if scoped is None else scoped

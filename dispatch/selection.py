@@ -17,13 +17,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import torch
 
 from .debug import debug_enabled
+from .environment import env as read_env
 from .registry import Backend, generation, get_backend, registered_backends
 
 PRIORITY = {
@@ -142,7 +142,7 @@ def _override(keyword: BackendChoice) -> tuple[Optional[tuple], str]:
     ctx = _CONTEXT.get()
     if ctx is not None:
         return ctx, "context"
-    env = os.environ.get(ENV_BACKEND, "")
+    env = read_env(ENV_BACKEND) or ""
     if env and env != "auto":
         return _as_names(env, ENV_BACKEND), "env"
     return None, "auto"
@@ -161,7 +161,7 @@ def load_tuning(path: Optional[str]) -> None:
 
 def _sync_tuning() -> int:
     """Follow ``ANYMLA_TUNING`` (set, changed or unset since last call); the version of the choices in force."""
-    env = os.environ.get(ENV_TUNING) or None
+    env = read_env(ENV_TUNING) or None
     if env != _TUNING["env"]:
         _TUNING["env"] = env
         load_tuning(env)

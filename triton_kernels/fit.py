@@ -45,20 +45,23 @@ class FittedKernel:
         self.tile = _FITTED.get((key, tile), tile)
         self.launcher = None
 
-    def __call__(self, bind: Callable[[TileConfig], tuple]) -> None:
-        """Launch ``bind(tile) -> (grid, args)``."""
+    def __call__(self, values: Callable[[TileConfig], tuple], full: Callable[[TileConfig], tuple]) -> None:
+        """Launch with a call's own ``values(tile)`` (see :meth:`Launcher.bind`); ``full(tile) -> (grid, args)``
+        builds the whole list, on the first call only."""
         if self.launcher is not None:
-            self.launcher(*bind(self.tile))
+            self.launcher.bind(self.grid, values(self.tile), None)
             return
         error = None
         for t in shrinking(self.tile):
             launcher = Launcher(self.fn, num_warps=t.num_warps)
+            grid, args = full(t)
             try:
-                launcher(*bind(t))
+                launcher(grid, args)
             except OutOfResources as e:
                 error = e
                 continue
-            self.tile, self.launcher = t, launcher
+            launcher.adopt(args, values(t))
+            self.tile, self.launcher, self.grid = t, launcher, grid
             _FITTED[(self.key, self.asked)] = t
             return
         raise error

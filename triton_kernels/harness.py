@@ -66,7 +66,8 @@ _FEW_HEAD_DECODE = ([Config(), Config(warp_specialized=True), Config(splits=2, w
                      ((32, 8, 3), (32, 8, 4), (64, 8, 2), (16, 4, 4), (32, 4, 3), (16, 8, 6)) for sp in (None, 4)])
 _FEW_HEAD_PREFILL = [Config(), Config(warp_specialized=False)]
 SWEEP.update({name: _FEW_HEAD_DECODE for name in ("tp-sdecode-v32-b128-h16", "tp-sdecode-v32-b128-h8",
-                                                  "tp-sdecode-model1-b128-h16", "tp-sdecode-v41+fp4-b128-h16")})
+                                                  "tp-sdecode-v41+fp4-b128-h16")})
+SWEEP["tp-sdecode-model1-b128-h16"] = [Config(), Config(splits=2), Config(warp_specialized=False)]
 SWEEP.update({"tp-prefill-h16-d576": _FEW_HEAD_PREFILL, "tp-prefill-h32-d512": _FEW_HEAD_PREFILL,
               "tp-sdecode-v32-b128-h32": [Config(), Config(TileConfig(32, 32, 8, 3, False)),
                                           Config(TileConfig(32, 32, 8, 3, False), 4),

@@ -5,7 +5,9 @@ only then launches: tens of microseconds of host time per call, more than many d
 GPU. A :class:`Launcher` belongs to one launch plan, so the argument signature is fixed; what Triton's
 specialization can still vary on between calls of that signature is which pointers are 16-byte aligned.
 Its first call with an alignment pattern goes through ``fn[grid]`` (compiling if needed) and keeps the
-compiled kernel; later calls hand the arguments straight to that kernel's launcher.
+compiled kernel; later calls hand the arguments straight to that kernel's launcher. The argument list itself
+is mostly fixed by the plan too (strides, sizes, constexprs): :meth:`Launcher.bind` keeps the first call's
+list and fills in only what a call brings (its tensors, float scalars and tensor-memory descriptors).
 
 The fast path is skipped (every call goes through ``fn[grid]``) under Triton's interpreter, with a Triton
 older than 3.4 (no ``triton.knobs``), and while a launch hook is installed (profilers read launches there).
@@ -26,6 +28,12 @@ def _knobs():
     return None if knobs is None else knobs.runtime
 
 
+def _hooked(knobs) -> bool:
+    """Whether a launch hook is installed. Triton 3.6+ keeps its hooks in an (empty) ``HookChain``, older ones
+    in a plain attribute that is None when unset."""
+    return any(h is not None and getattr(h, "calls", True) for h in (knobs.launch_enter_hook, knobs.launch_exit_hook))
+
+
 @functools.lru_cache(maxsize=None)
 def _driver():
     """The active driver's current-device and current-stream functions (as Triton's own launch asks them)."""
@@ -42,6 +50,12 @@ def compiled_kernels() -> int:
     return len(_SEEN)
 
 
+def _per_call(a) -> bool:
+    """Whether an argument is one a call brings: a tensor (or the None of an absent optional one), a float
+    scalar, or a tensor-memory descriptor. Integers and constexprs are the plan's."""
+    return a is None or isinstance(a, (torch.Tensor, float)) or (hasattr(a, "block_shape") and hasattr(a, "base"))
+
+
 class Launcher:
     """``fn`` launched with fixed options (``num_warps``, ``maxnreg``, ...) for the calls of one plan."""
 
@@ -50,6 +64,28 @@ class Launcher:
         self.options = options
         self._pointers = None  # positions of the tensor arguments (fixed by the plan's signature)
         self._compiled = {}  # alignment pattern -> Triton's compiled kernel
+        self._template = None  # the first bound call's arguments
+        self._slots = ()  # where a call's own values go in them
+
+    def bind(self, grid: tuple, values: tuple, full) -> None:
+        """Launch with ``values``, the call's own arguments in kernel order (see :func:`_per_call`), put into
+        the argument list ``full()`` that the first call builds (later calls do not call ``full``)."""
+        if self._template is None:
+            args = full()
+            self.adopt(args, values)
+        else:
+            args = self._template.copy()
+            for i, v in zip(self._slots, values):
+                args[i] = v
+        self(grid, args)
+
+    def adopt(self, args: list, values: tuple) -> None:
+        """Keep ``args`` (a call's whole list) as the template whose per-call entries are ``values``."""
+        slots = [i for i, a in enumerate(args) if _per_call(a)]
+        if len(slots) != len(values) or any(args[i] is not v for i, v in zip(slots, values)):
+            raise RuntimeError(f"{getattr(self.fn, '__name__', self.fn)}: the per-call values do not match the "
+                               "argument list's tensor, float and descriptor slots")
+        self._template, self._slots = list(args), slots
 
     def _alignment(self, args) -> int:
         bits = 0
@@ -59,7 +95,7 @@ class Launcher:
 
     def __call__(self, grid: tuple, args: list) -> None:
         """Launch over ``grid`` (three ints) with ``args``: every kernel parameter in order, constexprs too."""
-        if self._compiled and _knobs().launch_enter_hook is None:
+        if self._compiled and not _hooked(_knobs()):
             kernel = self._compiled.get(self._alignment(args))
             if kernel is not None:
                 device, stream = _driver()

@@ -70,6 +70,6 @@ class Combine:
         """``*_strides`` = strides of (batch, query, head) of ``out`` / ``lse``."""
         tokens, splits, heads = ws.partial_lse.shape
         grid = (tokens * heads, 512 // self.BLOCK_D, 1)
-        self.launcher(grid, [ws.partial_out, ws.partial_lse, out, lse, sink, splits, heads, tokens_per_batch,
-                             *out_strides, *lse_strides, sink is not None, self.BLOCK_D,
-                             triton.next_power_of_2(splits)])
+        self.launcher.bind(grid, (ws.partial_out, ws.partial_lse, out, lse, sink), lambda: [
+            ws.partial_out, ws.partial_lse, out, lse, sink, splits, heads, tokens_per_batch, *out_strides,
+            *lse_strides, sink is not None, self.BLOCK_D, triton.next_power_of_2(splits)])

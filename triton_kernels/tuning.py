@@ -153,8 +153,8 @@ _WARP_SPECIALIZED = TileConfig(64, 64, 12, 2, False)
 HOPPER_FEW_ROWS = {
     "sparse_prefill": (True, "H200, 2026-12-01: h_q 16 d_qk 576 2911 µs on the Hopper kernel with heads padded to 64 "
                              "vs 3332 portable; h_q 32 d_qk 512 2502 vs 4084"),
-    "sparse_decode": (False, "H200, 2026-12-01: V3.2 b128 h_q 16 portable 218 µs; the 64-row kernel dequantizes as much "
-                             "per token as at 64 heads"),
+    "sparse_decode": (True, "H200, 2026-12-01, b128 s_q 1 topk 2048: V3.2 h_q 16 127 µs on the Hopper kernel vs 217 "
+                            "portable, h_q 8 125 vs 212; V4.1 + 512 FP4 extra h_q 16 264 vs 283"),
     "dense_decode": (False, "H200, 2026-11-29: the portable kernel decodes b128 h_q 16 at 0.94x copy"),
 }
 

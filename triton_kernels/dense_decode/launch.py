@@ -44,11 +44,14 @@ class _Portable:
         self.rows = s_q * (h_q // self.h_kv)
         self.tail = [d, causal, p.attn_sink is not None, split, runtime.interpreting()]
         self.tma = forced_tma() is not False and runtime.tensor_memory_copies(p.device) and _tma_layout(p.k_cache)
-        self.kernel = FittedKernel(dense_decode_kernel, ("dense_decode", tuple(self.tail)), tile)
+        # One kernel for caches the tensor-memory copies can address, one for the (rare) misaligned ones: the
+        # choice is a constexpr of the kernel, so each keeps its own argument layout.
+        self.kernels = {aligned: FittedKernel(dense_decode_kernel, ("dense_decode", tuple(self.tail), aligned), tile)
+                        for aligned in (True, False)}
         self.descriptors = {}  # block_n -> LatestDescriptors
 
     def _tma_descriptors(self, kv: torch.Tensor, block_n: int):
-        if not self.tma or kv.shape[1] % block_n or kv.data_ptr() % 16:
+        if not self.tma or kv.shape[1] % block_n:
             return None, None
         latest = self.descriptors.get(block_n)
         if latest is None:
@@ -59,20 +62,26 @@ class _Portable:
         b, s_q, h_q, _ = p.q.shape
         q, kv, bt = p.q, p.k_cache, p.block_table
         po, plse = (None, None) if ws is None else (ws.partial_out, ws.partial_lse)
+        scale = p.sm_scale * math.log2(math.e)
+        aligned = kv.data_ptr() % 16 == 0
 
-        def bind(tile: TileConfig):
+        def values(tile: TileConfig):
+            k_desc, r_desc = self._tma_descriptors(kv, tile.block_n) if aligned else (None, None)
+            return q, kv, k_desc, r_desc, bt, p.cache_seqlens, p.attn_sink, out, lse, po, plse, scale
+
+        def full(tile: TileConfig):
             rb = -(-self.rows // tile.block_h)
-            k_desc, r_desc = self._tma_descriptors(kv, tile.block_n)
+            _, _, k_desc, r_desc, *_ = values(tile)
             return (b * self.h_kv * rb, num_splits, 1), [
                 q, q.stride(0), q.stride(1), q.stride(2),
                 kv, k_desc, r_desc, kv.stride(0), kv.stride(1), kv.stride(2), kv.shape[1], kv.shape[0],
                 bt, bt.stride(0), bt.shape[1] * kv.shape[1], p.cache_seqlens,
                 p.attn_sink, out, out.stride(0), out.stride(1), out.stride(2), lse, lse.stride(0), lse.stride(2),
                 lse.stride(1), po, plse,
-                s_q, h_q, h_q // self.h_kv, self.h_kv, rb, num_splits, p.sm_scale * math.log2(math.e),
+                s_q, h_q, h_q // self.h_kv, self.h_kv, rb, num_splits, scale,
                 *self.tail, k_desc is not None, tile.block_h, tile.block_n, tile.skip_scale, tile.num_stages]
 
-        self.kernel(bind)
+        self.kernels[aligned](values, full)
 
 
 class DenseDecodePlan:

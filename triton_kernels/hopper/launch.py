@@ -156,11 +156,13 @@ class DenseDecodeLaunch:
         kv, q, bt = p.k_cache, p.q, p.block_table
         k_desc, r_desc = self.descriptors(kv)
         po, plse = (None, None) if ws is None else (ws.partial_out, ws.partial_lse)
-        self.launcher((self.grid_rows, num_splits, 1), [
+        scale = p.sm_scale * math.log2(math.e)
+        self.launcher.bind((self.grid_rows, num_splits, 1),
+                           (q, k_desc, r_desc, bt, p.cache_seqlens, p.attn_sink, out, lse, po, plse, scale), lambda: [
             q, q.stride(0), q.stride(1), q.stride(2), k_desc, r_desc, kv.shape[1], kv.shape[0],
             bt, bt.stride(0), bt.shape[1] * kv.shape[1], p.cache_seqlens, p.attn_sink,
             out, out.stride(0), out.stride(1), out.stride(2), lse, lse.stride(0), lse.stride(2), lse.stride(1),
-            po, plse, s_q, h_q, self.rb, num_splits, p.sm_scale * math.log2(math.e), *self.constexprs])
+            po, plse, s_q, h_q, self.rb, num_splits, scale, *self.constexprs])
 
 
 class SparsePrefillLaunch:
@@ -177,10 +179,11 @@ class SparsePrefillLaunch:
         self.launcher = Launcher(sparse_prefill_hopper_kernel, num_warps=4, maxnreg=REGS.value)
 
     def __call__(self, q, kv, indices, topk_length, sink, sm_scale: float, out, lse, max_logits) -> None:
-        self.launcher(self.grid, [
+        scale = sm_scale * math.log2(math.e)
+        self.launcher.bind(self.grid, (q, kv, indices, topk_length, sink, out, lse, max_logits, scale), lambda: [
             q, q.stride(0), q.stride(1), kv, kv.stride(0), kv.shape[0], indices, indices.stride(0),
             indices.shape[-1], topk_length, sink, out, out.stride(0), out.stride(1), lse, max_logits, q.shape[1],
-            self.hb, sm_scale * math.log2(math.e), *self.constexprs])
+            self.hb, scale, *self.constexprs])
 
 
 class SparseDecodeLaunch:
@@ -205,9 +208,11 @@ class SparseDecodeLaunch:
         x = extra or main
         idx, x_idx = (s.indices.reshape(tokens, s.indices.shape[-1]) for s in (main, x))
         po, plse = (None, None) if ws is None else (ws.partial_out, ws.partial_lse)
-        self.launcher((self.grid_rows, num_splits, 1), [
+        scale = sm_scale * math.log2(math.e)
+        values = (q, main.kv, idx, main.length, x.kv, x_idx, x.length, sink, out, lse, po, plse, scale)
+        self.launcher.bind((self.grid_rows, num_splits, 1), values, lambda: [
             q, q.stride(0), q.stride(1), main.kv, main.stride_block, main.stride_row, main.page, main.rows, idx,
             idx.stride(0), idx.shape[-1], main.length,
             x.kv, x.stride_block, x.stride_row, x.page, x.rows, x_idx, x_idx.stride(0), x_idx.shape[-1], x.length,
             len_div, sink, out, out.stride(0), out.stride(1), lse, lse.stride(0), po, plse,
-            h_q, self.hb, num_splits, sm_scale * math.log2(math.e), *self.constexprs])
+            h_q, self.hb, num_splits, scale, *self.constexprs])

@@ -43,7 +43,7 @@ class Source:
 
     @classmethod
     def paged(cls, cache: torch.Tensor, fmt: KVCacheFormat, indices: torch.Tensor, length) -> "Source":
-        kv = cache if fmt is KVCacheFormat.BF16 else cache.view(torch.uint8)
+        kv = cache if fmt is KVCacheFormat.BF16 or cache.dtype == torch.uint8 else cache.view(torch.uint8)
         nb, page = cache.shape[:2]
         return cls(kv, page, kv.stride(0), kv.stride(1), 0, nb * page,
                    _last_dim_contiguous(indices.reshape(-1, 1, indices.shape[-1])), length)
@@ -70,11 +70,13 @@ class _Portable:
 
     def __call__(self, q, main: Source, extra: Optional[Source], len_div: int, sink, sm_scale: float, out, lse,
                  max_logits, num_splits: int, ws) -> None:
-        heads = q.shape[1]
         x = extra or main
         po, plse = (None, None) if ws is None else (ws.partial_out, ws.partial_lse)
+        scale = sm_scale * math.log2(math.e)
+        values = (q, main.indices, main.length, main.kv, x.indices, x.length, x.kv, sink, out, lse, max_logits, po,
+                  plse, scale)
 
-        def bind(tile: TileConfig):
+        def full(tile: TileConfig):
             hb = -(-self.per_group // tile.block_h)
             return (self.rows * hb, num_splits, 1), [
                 q, q.stride(0), q.stride(1),
@@ -83,10 +85,10 @@ class _Portable:
                 x.indices, x.indices.stride(0), x.indices.shape[-1], x.length, x.kv, x.stride_block, x.stride_row,
                 x.page, x.rows,
                 sink, out, out.stride(0), out.stride(1), lse, max_logits, po, plse,
-                heads, self.per_group, hb, num_splits, sm_scale * math.log2(math.e),
+                q.shape[1], self.per_group, hb, num_splits, scale,
                 *self.tail, tile.block_h, tile.block_n, tile.skip_scale, tile.num_stages]
 
-        self.kernel(bind)
+        self.kernel(lambda tile: values, full)
 
 
 class SparsePrefillPlan:
