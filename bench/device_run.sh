@@ -4,7 +4,8 @@
 # PARTs, run in the order given:
 #   flashmla  make FlashMLA v1.0.0 importable from .peers/FlashMLA (a prepared tree, ../shared/peers/flashmla.md):
 #             reuse a build cat'ed back into .peers/FlashMLA/flash_mla/, or build it in the background (~100 s)
-#   tests     pytest on the GPU ($TESTS: test paths and options; default the whole suite, CPU-sized grids)
+#   tests     pytest on the GPU ($TESTS: test paths and options, default the whole suite with CPU-sized grids;
+#             $TESTS_K: a -k expression)
 #   overhead  python -m anymla.bench.overhead, in a fresh Triton cache (its cold-start part counts compiles)
 #   sweep     the harness's tile sweep ($SWEEP_SUITE, default tp; $SWEEP_CASES: case names, default all)
 #   bench     python -m anymla.bench ($BENCH_ARGS, default --suite canonical --suite tp), FlashMLA included
@@ -33,7 +34,7 @@ for part in "${parts[@]}"; do
     tests)
       # shellcheck disable=SC2086
       ANYMLA_TEST_GRID=${ANYMLA_TEST_GRID:-small} timeout "${TESTS_TIMEOUT:-1000}" python3 -m pytest -q -n 8 -p no:cacheprovider --import-mode=importlib \
-        ${TESTS:-tests} 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
+        ${TESTS:-tests} ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/tests.log" | tail -15 ;;
     overhead)
       flashmla_wait
       TRITON_CACHE_DIR=$(mktemp -d) python3 -m anymla.bench.overhead --csv "$OUT/overhead.csv" ${OVERHEAD_ARGS:-} 2>&1 | tee "$OUT/overhead.log" ;;
@@ -44,8 +45,9 @@ for part in "${parts[@]}"; do
     bench)
       flashmla_wait
       # shellcheck disable=SC2086
-      python3 -m anymla.bench ${BENCH_ARGS:---suite canonical --suite tp} --out "$OUT/bench" > "$OUT/bench.log" 2>&1
-      tail -120 "$OUT/bench.log" ;;
+      timeout "${BENCH_TIMEOUT:-1000}" python3 -m anymla.bench ${BENCH_ARGS:---suite canonical --suite tp} \
+        --out "$OUT/bench" > "$OUT/bench.log" 2>&1
+      tail -80 "$OUT/bench.log" ;;
     layer)
       python3 -m anymla.bench.layer --out "$OUT/layer" 2>&1 | tee "$OUT/layer.log" | tail -40 ;;
     *) echo "unknown part $part"; exit 2 ;;
