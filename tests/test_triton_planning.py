@@ -168,8 +168,8 @@ def test_hopper_sparse_decode_takes_v32_v41_and_model1_caches(monkeypatch):
 
 def test_a_launcher_hands_later_calls_straight_to_the_compiled_kernel(monkeypatch):
     """The first call of an alignment pattern goes through ``fn[grid]``; later ones call the compiled kernel's
-    own launcher with every argument; a new alignment, or an installed launch hook, goes through ``fn[grid]``
-    again (with this Triton's real knobs, whose hooks are empty chains rather than None)."""
+    own launcher with every argument and Triton's launch hooks (launch metadata only while a hook is installed:
+    this Triton's real knobs keep them in empty chains rather than None); a new alignment compiles its own."""
     import triton
     from anymla.triton_kernels import launcher
 
@@ -181,6 +181,9 @@ def test_a_launcher_hands_later_calls_straight_to_the_compiled_kernel(monkeypatc
 
         def run(self, *args):
             self.launches.append(args)
+
+        def launch_metadata(self, grid, stream, *args):
+            return ("metadata", grid, stream)
 
     class Jit:
         def __init__(self):
@@ -199,16 +202,17 @@ def test_a_launcher_hands_later_calls_straight_to_the_compiled_kernel(monkeypatc
     aligned, shifted = torch.zeros(8), torch.zeros(9)[1:]
     run((2, 1, 1), [aligned, 7, True])
     run((3, 1, 1), [aligned, 7, True])
-    assert fn.calls == 1 and fn.kernels[0].launches == [(3, 1, 1, 1234, "fn", "meta", None, None, None, aligned, 7,
-                                                          True)]
+    knobs = triton.knobs.runtime
+    hooks = (knobs.launch_enter_hook, knobs.launch_exit_hook)
+    assert fn.calls == 1 and fn.kernels[0].launches == [(3, 1, 1, 1234, "fn", "meta", None, *hooks, aligned, 7, True)]
     run((3, 1, 1), [shifted, 7, True])
     assert fn.calls == 2, "another alignment: Triton specializes on it, so it compiles its own kernel"
     hook = lambda *a: None  # noqa: E731
-    knobs = triton.knobs.runtime
     if hasattr(knobs.launch_enter_hook, "add"):
         knobs.launch_enter_hook.add(hook)
         try:
-            run((3, 1, 1), [aligned, 7, True])
+            run((4, 1, 1), [aligned, 7, True])
         finally:
             knobs.launch_enter_hook.remove(hook)
-        assert fn.calls == 3, "a launch hook sees every launch"
+        assert fn.calls == 2 and fn.kernels[0].launches[-1][6] == ("metadata", (4, 1, 1), 1234), \
+            "a hook gets the launch's metadata"

@@ -9,8 +9,9 @@ compiled kernel; later calls hand the arguments straight to that kernel's launch
 is mostly fixed by the plan too (strides, sizes, constexprs): :meth:`Launcher.bind` keeps the first call's
 list and fills in only what a call brings (its tensors, float scalars and tensor-memory descriptors).
 
-The fast path is skipped (every call goes through ``fn[grid]``) under Triton's interpreter, with a Triton
-older than 3.4 (no ``triton.knobs``), and while a launch hook is installed (profilers read launches there).
+Launch hooks (profilers read launches there) are handed to the compiled kernel as Triton's own launch hands
+them, with the launch metadata computed only while one is installed. There is no fast path (every call
+goes through ``fn[grid]``) under Triton's interpreter and with a Triton older than 3.4 (no ``triton.knobs``).
 """
 
 from __future__ import annotations
@@ -95,12 +96,15 @@ class Launcher:
 
     def __call__(self, grid: tuple, args: list) -> None:
         """Launch over ``grid`` (three ints) with ``args``: every kernel parameter in order, constexprs too."""
-        if self._compiled and not _hooked(_knobs()):
+        if self._compiled:
             kernel = self._compiled.get(self._alignment(args))
             if kernel is not None:
+                knobs = _knobs()
                 device, stream = _driver()
-                kernel.run(grid[0], grid[1], grid[2], stream(device()), kernel.function, kernel.packed_metadata,
-                           None, None, None, *args)
+                s = stream(device())
+                meta = kernel.launch_metadata(grid, s, *args) if _hooked(knobs) else None
+                kernel.run(grid[0], grid[1], grid[2], s, kernel.function, kernel.packed_metadata, meta,
+                           knobs.launch_enter_hook, knobs.launch_exit_hook, *args)
                 return
         kernel = self.fn[grid](*args, **self.options)
         if hasattr(kernel, "packed_metadata") and _knobs() is not None:  # not under the interpreter
