@@ -7,7 +7,9 @@ Three measurements:
   call pays on the CPU before its kernels.
 - ``host`` (CUDA): the whole eager path of real calls on the GPU, launches included: host µs to enqueue one
   call (the device drained before each sample) and wall µs per call back to back (a decode loop without CUDA
-  graphs), for anymla and, where ``flash_mla`` imports, FlashMLA called directly.
+  graphs), for anymla and, where ``flash_mla`` imports, FlashMLA called directly; for anymla also the host time
+  with the kernel launches skipped, which separates the launches from the Python path and allocations.
+- ``primitive`` (CUDA): the host cost of the torch operations a call makes (an allocation, a view, ...).
 - ``cold`` (CUDA): a server's first call at every batch size 1..256 in a new process: how many kernels
   that compiles (or loads from Triton's cache) without :func:`anymla.warmup`, and, for another
   configuration warmed up first, the first call at each size against a repeated one.
@@ -149,6 +151,39 @@ def _profile(name: str, fn) -> None:
     pstats.Stats(profile).sort_stats("tottime").print_stats(14)
 
 
+def _without_launches(fn, device) -> float:
+    """Host µs of ``fn`` with every Triton launch skipped (the calls are planned and compiled already): what
+    the Python path and torch's allocations and views cost without the launches themselves."""
+    from anymla.triton_kernels.launcher import Launcher
+    launch = Launcher.__call__
+    Launcher.__call__ = lambda self, grid, args: None
+    try:
+        return _eager(fn, device)[0]
+    finally:
+        Launcher.__call__ = launch
+
+
+def primitives(device) -> list[dict]:
+    """µs per call of the torch operations a call makes on the host (median of 2000)."""
+    t = torch.empty(64, 1, 64, 512, dtype=torch.bfloat16, device=device)
+    ops = {"torch.empty [64, 1, 64, 512] bf16": lambda: torch.empty(64, 1, 64, 512, dtype=torch.bfloat16,
+                                                                     device=device),
+           "tensor.view": lambda: t.view(64, 64, 512), "tensor.reshape": lambda: t.reshape(64, 64, 512),
+           "tensor.data_ptr": t.data_ptr, "tensor.stride": t.stride,
+           "torch.cuda.current_device": torch.cuda.current_device}
+    rows = []
+    for name, op in ops.items():
+        samples = []
+        for _ in range(2000):
+            t0 = time.perf_counter_ns()
+            op()
+            samples.append(time.perf_counter_ns() - t0)
+        us = sorted(samples)[len(samples) // 2] / 1e3
+        rows.append(dict(part="primitive", case=name, who="torch", host_us=us))
+        print(f"primitive  {name:36s} {us:6.2f} µs", flush=True)
+    return rows
+
+
 def host(device, profile: bool = False) -> list[dict]:
     have_flash_mla = importlib.util.find_spec("flash_mla") is not None
     rows = []
@@ -161,8 +196,13 @@ def host(device, profile: bool = False) -> list[dict]:
             calls["flashmla"] = _flash_mla_call(op, a)
         for who, fn in calls.items():
             host_us, eager_us = _eager(fn, device)
-            rows.append(dict(part="host", case=name, who=who, host_us=host_us, eager_us=eager_us))
-            print(f"host  {name:32s} {who:9s} host {host_us:7.1f} µs/call   eager {eager_us:8.1f} µs/call", flush=True)
+            row = dict(part="host", case=name, who=who, host_us=host_us, eager_us=eager_us)
+            if who == "anymla":
+                row["host_without_launches_us"] = _without_launches(fn, device)
+            rows.append(row)
+            print(f"host  {name:32s} {who:9s} host {host_us:7.1f} µs/call   eager {eager_us:8.1f} µs/call"
+                  + (f"   without the launches {row['host_without_launches_us']:.1f}" if who == "anymla" else ""),
+                  flush=True)
             if profile and who == "anymla":
                 _profile(name, fn)
         del a, calls
@@ -232,7 +272,7 @@ def main() -> None:
     if torch.cuda.is_available():
         device = torch.device("cuda")
         rows += cold(device)  # first: a new process whose kernels are not compiled yet
-        rows += host(device, args.profile)
+        rows += primitives(device) + host(device, args.profile)
     if args.csv:
         fields = sorted({k for row in rows for k in row}, key=lambda k: (k not in ("part", "case", "who"), k))
         with open(args.csv, "w", newline="") as f:
