@@ -216,3 +216,59 @@ def test_a_launcher_hands_later_calls_straight_to_the_compiled_kernel(monkeypatc
             knobs.launch_enter_hook.remove(hook)
         assert fn.calls == 2 and fn.kernels[0].launches[-1][6] == ("metadata", (4, 1, 1), 1234), \
             "a hook gets the launch's metadata"
+
+
+# The tiles tuning.py chose in code before they became a table: computed at commit 0b0929d by calling its
+# sparse_config and dense_config for every device kind, cache class and 1..299 query rows a kv head, and
+# hard-coded here so that the table must give exactly these. (kind, op, cache class) -> the tiles at 16, 32 and
+# 128 rows, each (block_h, block_n, num_warps, num_stages, skip_scale); 1..16 rows got the first, 17..32 the
+# second, 33 and more the third.
+T, F = True, False
+_TILES_IN_CODE_AT_0B0929D = {
+    ('interpret', 'sparse', 'bf16'): ((16, 64, 4, 1, T), (32, 64, 4, 1, T), (64, 64, 4, 1, T)),
+    ('interpret', 'sparse', 'quantized'): ((16, 64, 4, 1, T), (32, 64, 4, 1, T), (64, 64, 4, 1, T)),
+    ('interpret', 'sparse', 'MODEL1_FP8'): ((16, 64, 4, 1, T), (32, 64, 4, 1, T), (64, 64, 4, 1, T)),
+    ('interpret', 'dense', 'bf16'): ((16, 64, 4, 1, T), (32, 64, 4, 1, T), (64, 64, 4, 1, T)),
+    ('cuda', 'sparse', 'bf16'): ((16, 64, 4, 2, F), (32, 64, 4, 2, F), (64, 64, 8, 3, F)),
+    ('cuda', 'sparse', 'quantized'): ((16, 32, 4, 6, F), (32, 32, 4, 6, F), (64, 64, 8, 1, F)),
+    ('cuda', 'sparse', 'MODEL1_FP8'): ((16, 64, 8, 1, F), (32, 64, 8, 1, F), (64, 64, 8, 1, F)),
+    ('cuda', 'dense', 'bf16'): ((16, 32, 4, 6, T), (32, 32, 4, 6, T), (64, 64, 8, 2, F)),
+    ('cuda_small_smem', 'sparse', 'bf16'): ((16, 32, 4, 6, F), (16, 32, 4, 6, F), (16, 32, 4, 6, F)),
+    ('cuda_small_smem', 'sparse', 'quantized'): ((16, 32, 4, 6, F), (16, 32, 4, 6, F), (16, 32, 4, 6, F)),
+    ('cuda_small_smem', 'sparse', 'MODEL1_FP8'): ((16, 32, 4, 6, F), (16, 32, 4, 6, F), (16, 32, 4, 6, F)),
+    ('cuda_small_smem', 'dense', 'bf16'): ((16, 32, 4, 6, T), (16, 32, 4, 6, T), (16, 32, 4, 6, T)),
+    ('cuda_sm90', 'sparse', 'bf16'): ((16, 64, 4, 2, F), (32, 64, 4, 2, F), (64, 64, 8, 3, F)),
+    ('cuda_sm90', 'sparse', 'quantized'): ((16, 32, 4, 6, F), (32, 32, 4, 6, F), (64, 64, 8, 1, F)),
+    ('cuda_sm90', 'sparse', 'MODEL1_FP8'): ((16, 64, 8, 1, F), (32, 64, 8, 1, F), (64, 64, 8, 1, F)),
+    ('cuda_sm90', 'dense', 'bf16'): ((16, 32, 4, 6, T), (32, 32, 4, 6, T), (64, 64, 8, 2, F)),
+    ('cuda_sm100', 'sparse', 'bf16'): ((16, 64, 4, 2, F), (32, 64, 4, 2, F), (64, 32, 8, 3, F)),
+    ('cuda_sm100', 'sparse', 'quantized'): ((16, 32, 4, 6, F), (32, 32, 4, 6, F), (64, 64, 8, 1, F)),
+    ('cuda_sm100', 'sparse', 'MODEL1_FP8'): ((16, 64, 8, 1, F), (32, 64, 8, 1, F), (64, 64, 8, 1, F)),
+    ('cuda_sm100', 'dense', 'bf16'): ((16, 32, 4, 6, T), (32, 32, 4, 6, T), (64, 32, 8, 3, F)),
+    ('rocm', 'sparse', 'bf16'): ((16, 32, 4, 2, T), (16, 32, 4, 2, T), (64, 16, 4, 1, T)),
+    ('rocm', 'sparse', 'quantized'): ((16, 32, 4, 2, T), (16, 32, 4, 2, T), (64, 16, 4, 1, T)),
+    ('rocm', 'sparse', 'MODEL1_FP8'): ((16, 32, 4, 2, T), (16, 32, 4, 2, T), (64, 16, 4, 1, T)),
+    ('rocm', 'dense', 'bf16'): ((16, 32, 4, 2, T), (16, 32, 4, 2, T), (64, 16, 4, 1, T)),
+    ('npu', 'sparse', 'bf16'): ((16, 32, 1, 1, T), (16, 32, 1, 1, T), (16, 32, 1, 1, T)),
+    ('npu', 'sparse', 'quantized'): ((16, 8, 1, 1, T), (16, 8, 1, 1, T), (16, 8, 1, 1, T)),
+    ('npu', 'sparse', 'MODEL1_FP8'): ((16, 8, 1, 1, T), (16, 8, 1, 1, T), (16, 8, 1, 1, T)),
+    ('npu', 'dense', 'bf16'): ((16, 32, 1, 1, T), (16, 32, 1, 1, T), (16, 32, 1, 1, T)),
+}
+# (quantized, main cache format name) of the calls in each cache class: prefill passes no format name.
+_CACHE_CLASSES = {"bf16": [(F, ""), (F, "BF16")], "MODEL1_FP8": [(T, "MODEL1_FP8")],
+                  "quantized": [(T, ""), (T, "V32_FP8"), (T, "V41_FP8"), (T, "V41_FP4")]}
+
+
+def _tiles_in_code(kind: str, op: str, cache: str, rows: int) -> TileConfig:
+    return TileConfig(*_TILES_IN_CODE_AT_0B0929D[kind, op, cache][0 if rows <= 16 else 1 if rows <= 32 else 2])
+
+
+@pytest.mark.parametrize("kind", sorted({k for k, _, _ in _TILES_IN_CODE_AT_0B0929D}))
+def test_every_device_kind_gets_the_tiles_it_got_before_the_table(kind):
+    from anymla.triton_kernels.tuning import dense_config, sparse_config
+    for rows in range(1, 300):
+        for cache, calls in _CACHE_CLASSES.items():
+            for quantized, fmt in calls:
+                assert sparse_config(kind, rows, quantized, fmt) == _tiles_in_code(kind, "sparse", cache, rows), \
+                    (rows, fmt, quantized)
+        assert dense_config(kind, rows) == _tiles_in_code(kind, "dense", "bf16", rows), rows
