@@ -7,6 +7,7 @@ order of the floating-point sums, so they must be a function of one request only
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -71,75 +72,124 @@ def _rows_block(rows: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(rows)))
 
 
-# GPUs whose blocks get 99 KB of shared memory (sm_86, sm_89, sm_120): the H200's few-head tile, which
-# compile_report (--arch 86/89 --shipped) finds within it for every kernel; not measured on such a GPU.
-_SMALL_SMEM_TILE = TileConfig(16, 32, 4, 6)
+# ---------------------------------------------------------------- the tile table
+#
+# TILES[kind, op, rows, cache] is the tile of the portable kernels and the measurement or compile check it
+# rests on, where
+#   kind   is a runtime.device_kind, or DEFAULT: the H200's measured tiles, which every kind runs in the regimes
+#          it has no row for (sm_90; sm_80, where compile_report --arch 80 finds them within its 163 KB, never
+#          run there; sm_100 but for its own rows),
+#   op     "sparse" (the sparse kernel: prefill and decoding) or "dense" (dense decoding),
+#   rows   "few" (at most FEW_ROWS query rows a kv head: tensor-parallel head counts) or "many",
+#   cache  "bf16", "quantized" (any FP8/FP4 main cache) or a format's name where it has a tile of its own,
+# and "*" (ANY) matches every value. tile_row looks up the kind's own rows first, then DEFAULT's, and within
+# them the most specific key (op, then rows, then cache). A row's block_h is the most rows a program takes:
+# a call with fewer gets the next power of two (16 at least) instead.
+
+ANY = "*"
+DEFAULT = "default"
+FEW_ROWS = 32  # fewer rows than one 64-row program: the rows regime "few"
 
 
-# Blackwell datacenter GPUs (sm_100): Triton lowers the 64-key tiles with more staging there (345 KB); 32 keys
-# and 3 stages fit the 227 KB with gathers prefetched (compile_report --arch 100 --shipped); not measured.
+@dataclass(frozen=True)
+class TileRow:
+    tile: TileConfig
+    reason: str  # the measurement or compile check behind the tile
+
+
+# 99 KB of shared memory a block (sm_86/89, sm_120): the H200's few-head tiles.
+_SMALL_SMEM_SPARSE = TileConfig(16, 32, 4, 6, False)
+_SMALL_SMEM_DENSE = TileConfig(16, 32, 4, 6, True)
+_SMALL_SMEM = ("the H200's few-head tile (DEFAULT), which compile_report --arch {arch} --shipped finds within "
+               "99 KB for every kernel; not measured on such a GPU")
+# Blackwell datacenter GPUs (sm_100): Triton lowers Hopper's 64-key tiles with more staging there (345 KB).
 _SM100_TILE = TileConfig(64, 32, 8, 3, False)
+_SM100 = ("32 keys and 3 stages fit the 227 KB with gathers prefetched (compile_report --arch 100 --shipped); "
+          "Hopper's 64-key tile needs 345 KB on sm_100; not measured")
+
+TILES: dict[tuple[str, str, str, str], TileRow] = {
+    ("interpret", ANY, ANY, ANY): TileRow(
+        TileConfig(64, 64, 4, 1), "Triton's interpreter costs per operation, not per element: few, large tiles"),
+
+    ("rocm", ANY, "many", ANY): TileRow(
+        TileConfig(64, 16, 4, 1), "64 KB of LDS a block (MI300X, MI250): the largest head block that compiles "
+                                  "within it (compile_report --arch gfx942); never run on an AMD GPU"),
+    ("rocm", ANY, "few", ANY): TileRow(
+        TileConfig(16, 32, 4, 2), "64 KB of LDS a block: compile_report --arch gfx942; never run on an AMD GPU"),
+
+    ("npu", ANY, ANY, "bf16"): TileRow(
+        TileConfig(16, 32, 1, 1), "unified buffer (192 KB on A2/A3): a [16, 512] fp32 accumulator plus a 32-row "
+                                  "latent tile (triton-ascend compile check, ascend_compile_check.py)"),
+    ("npu", ANY, ANY, "quantized"): TileRow(
+        TileConfig(16, 8, 1, 1), "the triton-ascend compile check found that dequantizing 32 rows overflows the "
+                                 "unified buffer for every quantized format, and that 8 rows fit every format "
+                                 "and extra-cache pairing"),
+
+    ("cuda_small_smem", "sparse", ANY, ANY): TileRow(_SMALL_SMEM_SPARSE, _SMALL_SMEM.format(arch="86/89")),
+    ("cuda_small_smem", "dense", ANY, ANY): TileRow(_SMALL_SMEM_DENSE, _SMALL_SMEM.format(arch="86/89")),
+
+    ("cuda_sm100", "sparse", "many", "bf16"): TileRow(_SM100_TILE, _SM100),
+    ("cuda_sm100", "dense", "many", ANY): TileRow(_SM100_TILE, _SM100),
+
+    # BLOCK_H 64 needs 8 warps: its [64, 512] fp32 accumulator alone is 256 registers a thread with 4.
+    (DEFAULT, "sparse", "many", "bf16"): TileRow(
+        TileConfig(64, 64, 8, 3, False), "H200 sweep, 2026-11-29 (sparse_mla/NOTES.md): per-row lazy rescale beats "
+                                         "the block-wide branch by 19-27 %; bf16 best with 3 stages"),
+    (DEFAULT, "sparse", "many", "quantized"): TileRow(
+        TileConfig(64, 64, 8, 1, False), "H200 sweep, 2026-11-29: quantized caches do best without prefetch (the "
+                                         "dequantized tile already fills shared memory)"),
+    (DEFAULT, "sparse", "few", "bf16"): TileRow(
+        TileConfig(32, 64, 4, 2, False), "H200 sweep run 13: bf16 prefill at 16 heads best of four tiles with "
+                                         "64-key blocks and 2 stages (4.08 ms)"),
+    (DEFAULT, "sparse", "few", "quantized"): TileRow(
+        TileConfig(32, 32, 4, 6, False), "H200 sweep run 13: few-head decoding is bound by the latency of the "
+                                         "gathered rows; 6 stages keep several blocks in flight (the pipeliner "
+                                         "prefetches gathers from 5 stages on), 1.2-1.9x faster than 64 rows and "
+                                         "2 stages"),
+    (DEFAULT, "sparse", "few", "MODEL1_FP8"): TileRow(
+        TileConfig(32, 64, 8, 1, False), "H200 tp sweep, 2026-12-01 (sparse_mla/NOTES.md): MODEL1 at 16 heads "
+                                         "(+512 extra) 292 µs with 64-key blocks on 8 warps (one stage: two do not "
+                                         "fit), 437 µs with the 32-key, 6-stage tile of the other formats"),
+    (DEFAULT, "dense", "many", ANY): TileRow(
+        TileConfig(64, 64, 8, 2, False), "H200 sweeps, 2026-11-29 (dense_decode/NOTES.md): 64 keys a block with "
+                                         "2 TMA stages for the compute-bound regime (32 keys, 4 stages: 3336 vs "
+                                         "2054 µs)"),
+    (DEFAULT, "dense", "few", ANY): TileRow(
+        TileConfig(32, 32, 4, 6, True), "H200 sweep run 12: memory-bound, 32 keys and 6 TMA stages reach 0.97x "
+                                        "copy (4 stages 0.72x)"),
+}
 
 
-def _portable(kind: str, rows: int, quantized: bool = False) -> Optional[TileConfig]:
-    """The configs that do not depend on the op: a forced one, the interpreter's, AMD's and Ascend's."""
+def tile_row(kind: str, op: str, rows: int, quantized: bool = False, fmt: str = "") -> TileRow:
+    """The row of ``TILES`` for ``op`` ("sparse" or "dense") on device kind ``kind`` with ``rows`` query rows
+    a kv head over a ``quantized`` (or bf16) main cache of format ``fmt`` (its name; "" when none applies)."""
+    regime = "few" if rows <= FEW_ROWS else "many"
+    caches = [c for c in (fmt, "quantized" if quantized else "bf16") if c] + [ANY]
+    for key in itertools.product((kind, DEFAULT), (op, ANY), (regime, ANY), caches):
+        row = TILES.get(key)
+        if row is not None:
+            return row
+    raise ValueError(f"op must be 'sparse' or 'dense', got {op!r}")
+
+
+def _tile(kind: str, op: str, rows: int, quantized: bool = False, fmt: str = "") -> TileConfig:
+    """A forced tile, else the table's, with no more query rows a program than the call has."""
     tile = forced_tile()
     if tile is not None:
         return tile
-    if kind == "interpret":
-        # The interpreter costs per operation, not per element: few, large tiles.
-        return TileConfig(_rows_block(rows, 64), 64, 4, 1)
-    if kind == "rocm":
-        # 64 KB of LDS a block (MI300X, MI250): the largest head blocks that compile there without spills
-        # (compile_report --arch gfx942); never run on an AMD GPU.
-        return TileConfig(64, 16, 4, 1) if _rows_block(rows, 64) == 64 else TileConfig(16, 32, 4, 2)
-    if kind == "npu":
-        # Unified buffer budget (192 KB on A2/A3): a [16, 512] fp32 accumulator plus a 32-row latent tile; the
-        # triton-ascend compile check (ascend_compile_check.py) found that dequantizing 32 rows overflows it for
-        # every quantized format, and that 8 rows fit every format and extra-cache pairing.
-        return TileConfig(16, 8 if quantized else 32, 1, 1)
-    return None
+    tile = tile_row(kind, op, rows, quantized, fmt).tile
+    return dataclasses.replace(tile, block_h=_rows_block(rows, tile.block_h))
 
 
 def sparse_config(kind: str, heads_per_group: int, quantized: bool, fmt: str = "") -> TileConfig:
     """Tiles of the sparse kernel for ``heads_per_group`` query heads sharing one index list (``fmt``: the
     main cache's format name, for the formats whose few-head tile differs)."""
-    tile = _portable(kind, heads_per_group, quantized)
-    if tile is not None:
-        return tile
-    if kind == "cuda_small_smem":
-        return dataclasses.replace(_SMALL_SMEM_TILE, skip_scale=False)
-    # BLOCK_H 64 needs 8 warps: its [64, 512] fp32 accumulator alone is 256 registers a thread with 4.
-    # H200 sweep (NOTES.md, 2026-11-29): per-row lazy rescale beats the block-wide branch; quantized caches
-    # do best without prefetch (the dequantized tile already fills shared memory), bf16 with 3 stages.
-    # With few heads (tensor parallelism) decoding is bound by the latency of the gathered rows: 32-row blocks
-    # and 6 stages keep several blocks in flight (the pipeliner prefetches gathers only from 5 stages on),
-    # 1.2-1.9x faster than 64 rows and 2 stages on the H200 (sweep run 13).
-    bh = _rows_block(heads_per_group, 64)
-    if bh < 64 and fmt == "MODEL1_FP8":
-        # H200 tp sweep, 2026-12-01 (sparse_mla/NOTES.md): MODEL1 at 16 heads (+512 extra) 292 µs with 64-key blocks
-        # on 8 warps (one stage: two do not fit), 437 µs with the 32-key, 6-stage tile of the other formats.
-        return TileConfig(bh, 64, 8, 1, False)
-    if bh < 64:
-        return TileConfig(bh, 32, 4, 6, False) if quantized else TileConfig(bh, 64, 4, 2, False)
-    if kind == "cuda_sm100" and not quantized:
-        return _SM100_TILE  # Hopper's 3 stages of 64 keys need 345 KB on sm_100
-    return TileConfig(64, 64, 8, 1 if quantized else 3, False)
+    return _tile(kind, "sparse", heads_per_group, quantized, fmt)
 
 
 def dense_config(kind: str, rows_per_kv_head: int) -> TileConfig:
     """Tiles of the dense decode kernel for ``rows_per_kv_head = s_q * h_q / h_kv`` packed query rows."""
-    tile = _portable(kind, rows_per_kv_head)
-    if tile is not None:
-        return tile
-    if kind == "cuda_small_smem":
-        return _SMALL_SMEM_TILE
-    # H200 sweeps (NOTES.md, 2026-11-29): 64 keys a block with 2 TMA stages for the compute-bound regime;
-    # with few rows (memory-bound) 32 keys and 6 stages (0.97x copy; 4 stages gave 0.72x).
-    bh = _rows_block(rows_per_kv_head, 64)
-    if bh < 64:
-        return TileConfig(bh, 32, 4, 6, True)
-    return _SM100_TILE if kind == "cuda_sm100" else TileConfig(64, 64, 8, 2, False)
+    return _tile(kind, "dense", rows_per_kv_head)
 
 
 # The warp-specialized Hopper kernels (hopper/): 64 query rows, three 4-warp partitions, lazy rescale per
