@@ -26,12 +26,17 @@ class Backend:
     device_types: ClassVar[tuple]
     #: external peers (FlashMLA, torch_npu) run only when asked for by name or measured faster by ``--tune``
     auto_select: ClassVar[bool] = True
+    #: runs wherever torch does (``device_types`` then only names the usual ones)
+    any_device: ClassVar[bool] = False
 
     def unavailable_reasons(self, device: torch.device) -> list[str]:
         """Why this backend cannot run on ``device`` at all (package, build, hardware); empty if it can."""
-        if device.type not in self.device_types:
-            return [f"runs on {', '.join(self.device_types)} devices, not on {device.type}"]
-        return []
+        return self._device_type_reasons(device)
+
+    def _device_type_reasons(self, device: torch.device) -> list[str]:
+        if self.any_device or device.type in self.device_types:
+            return []
+        return [f"runs on {', '.join(self.device_types)} devices, not on {device.type}"]
 
     def shape_reasons(self, problem) -> list[str]:
         """Why this backend cannot run this problem's shapes, dtypes or flags; empty if it can."""
@@ -50,9 +55,12 @@ class Backend:
         return None
 
     def not_supported_reasons(self, problem) -> list[str]:
+        """Why this backend cannot run ``problem``; a backend for other device types says only that (what
+        else it lacks is for ``unavailable_reasons``, which ``python -m anymla.bench --list`` prints)."""
         if problem.op not in self.ops:
             return [f"does not implement {problem.op} (implements: {', '.join(sorted(self.ops))})"]
-        return self.unavailable_reasons(problem.device) or self.shape_reasons(problem)
+        return (self._device_type_reasons(problem.device) or self.unavailable_reasons(problem.device)
+                or self.shape_reasons(problem))
 
     def run(self, problem, plan=None):
         """The op's outputs for ``problem``; ``plan`` is what :meth:`plan` made for its signature."""
