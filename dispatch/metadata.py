@@ -54,11 +54,12 @@ class FlashMLASchedMeta:
             raise ValueError("tile_scheduler_metadata: this FlashMLASchedMeta was initialised for another "
                              f"configuration ({', '.join(diffs)}); use one metadata object per configuration")
 
-    def plan_for(self, backend: str, build) -> Any:
-        """The plan of ``backend``, built once by ``build()``."""
-        plan = self.plans.get(backend)
+    def plan_for(self, key, build) -> Any:
+        """What a backend keeps for this configuration under ``key`` (its name, or a tuple starting with it),
+        built once by ``build()``."""
+        plan = self.plans.get(key)
         if plan is None:
-            plan = self.plans[backend] = build()
+            plan = self.plans[key] = build()
         return plan
 
 

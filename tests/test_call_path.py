@@ -183,3 +183,22 @@ def test_direct_launches_keep_one_compiled_kernel_per_alignment(no_cached_decisi
     plan = anymla.explain(anymla.flash_mla_sparse_fwd, **args, backend="triton").plan
     launcher = plan.launch.launcher if plan.hopper else plan.launch.kernel.launcher
     assert len(launcher._compiled) == 2
+
+
+def test_one_metadata_object_serves_block_tables_of_other_widths(device):
+    """FlashMLA's configuration leaves the block table's width out, and the split count can depend on it: the
+    workspaces a metadata object keeps must follow the split count of each call, not the first one's."""
+    meta, _ = anymla.get_mla_metadata()
+    wide = dense_decode_inputs(1, 1, 4, 1, 512, page=64, seed=4, device=device)  # 8 blocks a row
+    narrow = dict(wide, block_table=wide["block_table"][:, :4].contiguous(),
+                  cache_seqlens=wide["cache_seqlens"].clamp(max=256))  # 4 blocks a row
+    for args in (wide, narrow, wide):
+        for tier in TIERS:
+            got = anymla.flash_mla_with_kvcache(**args, tile_scheduler_metadata=meta, backend=tier)
+            compare_outputs("dense_decode", got, anymla.flash_mla_with_kvcache(**args, tile_scheduler_metadata=None,
+                                                                               backend="reference"),
+                            scale=_scale(tier))
+    if "triton" in TIERS:
+        splits = {anymla.explain(anymla.flash_mla_with_kvcache, **a, tile_scheduler_metadata=None,
+                                 backend="triton").plan.num_splits for a in (wide, narrow)}
+        assert len(splits) == 2 and min(splits) > 1, f"the case needs two split counts above 1, got {splits}"

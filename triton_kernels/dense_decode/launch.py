@@ -112,7 +112,9 @@ class DenseDecodePlan:
         ws = None
         if self.combine is not None:
             make = lambda: workspaces(self.num_splits, b * s_q, h_q, p.device)  # noqa: E731
-            ws = p.sched.plan_for("triton", make) if p.sched is not None else make()
+            # keyed by the split count too: one metadata object may serve calls whose block tables differ in
+            # width (not part of FlashMLA's configuration), and so in split count
+            ws = p.sched.plan_for(("triton", self.num_splits), make) if p.sched is not None else make()
         self.launch(p, self.num_splits, ws, out, lse)
         if self.combine is not None:
             self.combine(ws, out, lse, s_q, (out.stride(0), out.stride(1), out.stride(2)),

@@ -167,7 +167,7 @@ class SparseDecodePlan:
         ws = None
         if self.combine is not None:
             make = lambda: workspaces(self.num_splits, tokens, h_q, q.device)  # noqa: E731
-            ws = p.sched.plan_for("triton", make) if p.sched is not None else make()
+            ws = p.sched.plan_for(("triton", self.num_splits), make) if p.sched is not None else make()
         if self.hopper:
             self.launch(q, main, extra, s_q, p.attn_sink, p.sm_scale, o3, l2, self.num_splits, ws)
         else:
