@@ -272,3 +272,23 @@ def test_every_device_kind_gets_the_tiles_it_got_before_the_table(kind):
                 assert sparse_config(kind, rows, quantized, fmt) == _tiles_in_code(kind, "sparse", cache, rows), \
                     (rows, fmt, quantized)
         assert dense_config(kind, rows) == _tiles_in_code(kind, "dense", "bf16", rows), rows
+
+
+def test_a_launcher_keeps_no_tensor_of_the_calls_it_launched(monkeypatch):
+    """A plan outlives its calls: its argument template must not hold their tensors (a prefill output can be
+    gigabytes, and every call signature keeps a plan)."""
+    import gc
+    import weakref
+    from anymla.triton_kernels import launcher
+
+    class Jit:
+        def __getitem__(self, grid):
+            return lambda *args, **options: None
+
+    run = launcher.Launcher(Jit(), num_warps=4)
+    out = torch.zeros(8)
+    gone = weakref.ref(out)
+    run.bind((1, 1, 1), (out, 0.5), lambda: [out, 3, 0.5, True])
+    del out
+    gc.collect()
+    assert gone() is None

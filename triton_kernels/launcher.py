@@ -86,7 +86,10 @@ class Launcher:
         if len(slots) != len(values) or any(args[i] is not v for i, v in zip(slots, values)):
             raise RuntimeError(f"{getattr(self.fn, '__name__', self.fn)}: the per-call values do not match the "
                                "argument list's tensor, float and descriptor slots")
-        self._template, self._slots = list(args), slots
+        # The slots are overwritten by every call: emptied here, so the plan keeps no call's tensors alive.
+        taken = set(slots)
+        self._template = [None if i in taken else a for i, a in enumerate(args)]
+        self._slots = slots
 
     def _alignment(self, args) -> int:
         bits = 0
