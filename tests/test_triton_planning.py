@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import zlib
 
 import pytest
 import torch
@@ -39,10 +40,16 @@ def test_shrinking_halves_stages_then_key_blocks_then_head_blocks():
     assert got == [(64, 32, 6, 8), (64, 32, 3, 8), (64, 32, 1, 8), (64, 16, 1, 8), (32, 16, 1, 4), (16, 16, 1, 4)]
 
 
-@pytest.mark.parametrize("arch", ("90", "100", "80", "86", "gfx942"))
+# With an empty Triton cache, two at a time on 2 cores: 80, 90, 100 35-45 s each (15 configs), gfx942 and gfx90a
+# ~18 s, 86 and 120 ~10 s (5 configs).
+SHIPPED_ARCHS_IN_CI = ("90", "100", "120", "80", "86", "gfx942", "gfx90a")
+
+
+@pytest.mark.parametrize("arch", SHIPPED_ARCHS_IN_CI)
 def test_shipped_tiles_fit_each_gpu_generation(arch):
-    """Every config the tuning tables ship for Hopper, Blackwell (sm_100), A100-class, 99 KB (sm_86/89) and AMD
-    MI300 GPUs compiles for that architecture and fits its shared memory as shipped (offline, no GPU)."""
+    """Every config the tuning table ships for Hopper, Blackwell (sm_100), consumer Blackwell (sm_120),
+    A100-class, 99 KB (sm_86/89) and AMD MI300/MI250 GPUs compiles for that architecture, fits its shared memory
+    as shipped and spills no more than its budget (offline, no GPU)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-m", "anymla.triton_kernels.compile_report", "--shipped", "--arch",
                           arch], capture_output=True, text=True, env=env, timeout=600)
@@ -128,8 +135,8 @@ def test_amd_gpus_get_their_own_tiles_and_no_nvidia_only_paths(monkeypatch):
     assert runtime.device_kind.__wrapped__(gpu) == "rocm"
     assert not runtime.tensor_memory_copies.__wrapped__(gpu)
     assert not runtime.native_fp8.__wrapped__(gpu)
-    assert sparse_config("rocm", 128, True) == TileConfig(64, 16, 4, 1)
-    assert dense_config("rocm", 16) == TileConfig(16, 32, 4, 2)
+    assert sparse_config("rocm", 128, True) == TileConfig(32, 16, 4, 1)
+    assert dense_config("rocm", 16) == TileConfig(16, 16, 4, 2)
 
 
 def _sparse_decode_problem(fmt, **kw):
@@ -259,19 +266,144 @@ _CACHE_CLASSES = {"bf16": [(F, ""), (F, "BF16")], "MODEL1_FP8": [(T, "MODEL1_FP8
                   "quantized": [(T, ""), (T, "V32_FP8"), (T, "V41_FP8"), (T, "V41_FP4")]}
 
 
+# The rows changed since, each after compile_report --shipped found the old tile spilling or too big for a target
+# that has never run it (tuning.TILES says what it found): (kind, op, cache class, 16 | 32 | 128 rows) -> tile.
+_CHANGED_AFTER_THE_TABLE = {
+    **{("rocm", "sparse", cache, 128): (32, 16, 4, 1, T) for cache in ("quantized", "MODEL1_FP8")},  # spilled
+    **{("rocm", "dense", "bf16", rows): (16, 16, 4, 2, T) for rows in (16, 32)},  # spilled on gfx942
+    **{("cuda_small_smem", "sparse", "MODEL1_FP8", rows): (16, 32, 8, 1, F) for rows in (16, 32, 128)},  # 181 KB
+    ("cuda", "sparse", "MODEL1_FP8", 128): (64, 16, 8, 1, F),  # 192 KB on sm_80's 163
+}
+
+
 def _tiles_in_code(kind: str, op: str, cache: str, rows: int) -> TileConfig:
-    return TileConfig(*_TILES_IN_CODE_AT_0B0929D[kind, op, cache][0 if rows <= 16 else 1 if rows <= 32 else 2])
+    at = 16 if rows <= 16 else 32 if rows <= 32 else 128
+    changed = _CHANGED_AFTER_THE_TABLE.get((kind, op, cache, at))
+    return TileConfig(*(changed or _TILES_IN_CODE_AT_0B0929D[kind, op, cache][(16, 32, 128).index(at)]))
 
 
 @pytest.mark.parametrize("kind", sorted({k for k, _, _ in _TILES_IN_CODE_AT_0B0929D}))
 def test_every_device_kind_gets_the_tiles_it_got_before_the_table(kind):
-    from anymla.triton_kernels.tuning import dense_config, sparse_config
+    """The table gives every kind what the code gave it, but for the rows changed since (named above)."""
+    from anymla.triton_kernels.tuning import dense_config, sparse_config, tile_row
     for rows in range(1, 300):
         for cache, calls in _CACHE_CLASSES.items():
             for quantized, fmt in calls:
-                assert sparse_config(kind, rows, quantized, fmt) == _tiles_in_code(kind, "sparse", cache, rows), \
-                    (rows, fmt, quantized)
+                want = _tiles_in_code(kind, "sparse", cache, rows)
+                assert sparse_config(kind, rows, quantized, fmt) == want, (rows, fmt, quantized)
+                assert tile_row(kind, "sparse", rows, quantized, fmt).tile.block_n == want.block_n
         assert dense_config(kind, rows) == _tiles_in_code(kind, "dense", "bf16", rows), rows
+
+
+def test_sm120_gets_the_99_kb_tiles_and_its_own_device_kind(monkeypatch):
+    """Consumer Blackwell (major 12) has a device kind of its own, whose rows are the 99 KB GPUs' tiles (sm_86/89
+    still tell themselves by shared memory); the other NVIDIA kinds are unchanged."""
+    from anymla.triton_kernels import runtime
+    from anymla.triton_kernels.tuning import dense_config, sparse_config
+    monkeypatch.setattr(runtime, "rocm", lambda: False)
+    gpu = torch.device("cuda", 0)
+    for capability, shared, kind in (((12, 0), 101376, "cuda_sm120"), ((8, 6), 101376, "cuda_small_smem"),
+                                     ((8, 9), 101376, "cuda_small_smem"), ((8, 0), 166912, "cuda"),
+                                     ((9, 0), 232448, "cuda_sm90"), ((10, 0), 232448, "cuda_sm100")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        monkeypatch.setattr(runtime, "max_shared_memory", lambda device, s=shared: s)
+        assert runtime.device_kind.__wrapped__(gpu) == kind, capability
+    for rows in (1, 16, 17, 32, 33, 128):
+        for calls in _CACHE_CLASSES.values():
+            for quantized, fmt in calls:
+                assert sparse_config("cuda_sm120", rows, quantized, fmt) == \
+                    sparse_config("cuda_small_smem", rows, quantized, fmt)
+        assert dense_config("cuda_sm120", rows) == dense_config("cuda_small_smem", rows)
+    monkeypatch.setattr(runtime, "device_kind", lambda device: "cuda_sm120")
+    assert "sm_120" in runtime.verification(gpu)[0] and "never run" in runtime.verification(gpu)[0]
+
+
+def _queries():
+    """Every (kind, op, rows, quantized, format) a launch can ask the table, a few rows per regime."""
+    from anymla.triton_kernels import tuning
+    kinds = {k for k, *_ in tuning.TILES} - {tuning.DEFAULT} | {"cuda_sm90"}
+    calls = [c for cs in _CACHE_CLASSES.values() for c in cs]
+    return ([(k, "sparse", rows, q, fmt) for k in kinds for rows in (16, 32, 128) for q, fmt in calls] +
+            [(k, "dense", rows, False, "") for k in kinds for rows in (16, 32, 128)])
+
+
+def test_every_tile_row_has_a_reason_and_is_reached():
+    """No row of the table is shadowed by a more specific one (each is some call's answer), each says what
+    it rests on, and a wrong op is named."""
+    from anymla.triton_kernels import tuning
+    reached = {id(tuning.tile_row(*q)) for q in _queries()}
+    for key, row in tuning.TILES.items():
+        assert id(row) in reached, f"{key} is never looked up"
+        assert len(row.reason) > 20 and row.tile.block_h in (16, 32, 64), key
+    with pytest.raises(ValueError, match="op must be 'sparse' or 'dense', got 'prefill'"):
+        tuning.tile_row("cuda", "prefill", 16)
+
+
+def test_a_forced_tile_wins_on_every_device_kind():
+    from anymla.triton_kernels import tuning
+    tile = TileConfig(32, 16, 4, 3, False)
+    with tuning.forced(tile):
+        assert {tuning.sparse_config(k, rows, q, fmt) if op == "sparse" else tuning.dense_config(k, rows)
+                for k, op, rows, q, fmt in _queries()} == {tile}
+
+
+def test_every_kind_with_rows_of_its_own_is_compile_checked():
+    """compile_report --shipped covers every GPU kind the table has rows for (Ascend: ascend_compile_check.py),
+    and CI runs it for one arch of each."""
+    from anymla.triton_kernels import compile_report, tuning
+    own = {k for k, *_ in tuning.TILES} - {tuning.DEFAULT, "interpret", "npu"}
+    in_ci = {compile_report.ARCHS[a].kind for a in SHIPPED_ARCHS_IN_CI}
+    assert own | {"cuda_sm90"} <= in_ci
+
+
+def _table_cases():
+    """One small call per row of the table (GPU rows only) whose tile it forces: (row key, op, tile, args)."""
+    from anymla.kvcache import KVCacheFormat as KV
+    from anymla.testing import dense_decode_inputs, prefill_inputs, sparse_decode_inputs
+    from anymla.triton_kernels import tuning
+    cases = []
+    for key, row in tuning.TILES.items():
+        kind, op, _, cache = key
+        if kind == "interpret":
+            continue
+        h, seed = row.tile.block_h, zlib.crc32(repr(key).encode())
+        name = "-".join(key).replace("*", "any")
+        if op in ("sparse", tuning.ANY) and cache in ("bf16", tuning.ANY):
+            cases.append((name + "-prefill", row.tile, lambda h=h, s=seed: (
+                "sparse_prefill", prefill_inputs(2, h, 576, 150, 70, topk_length=True, seed=s))))
+        if op in ("sparse", tuning.ANY) and cache != "bf16":
+            fmt = KV.MODEL1_FP8 if cache == "MODEL1_FP8" else KV.V41_FP8
+            extra = dict(fmt=KV.MODEL1_FP8 if cache == "MODEL1_FP8" else KV.V41_FP4, page=64, s_k=90, topk=40)
+            cases.append((name + "-decode", row.tile, lambda h=h, s=seed, f=fmt, x=extra: (
+                "sparse_decode", sparse_decode_inputs(2, 1, h, 150, 70, fmt=f, extra=x, seed=s))))
+        if op in ("dense", tuning.ANY) and cache in ("bf16", tuning.ANY):
+            cases.append((name + "-dense", row.tile, lambda h=h, s=seed: (
+                "dense_decode", dense_decode_inputs(2, 1, h, 1, 150, causal=True, seed=s))))
+    return cases
+
+
+_TABLE_CASES = _table_cases()
+
+
+@pytest.mark.parametrize("name, tile, make", _TABLE_CASES, ids=[c[0] for c in _TABLE_CASES])
+def test_every_gpu_tile_of_the_table_agrees_with_the_reference(backend, name, tile, make, tol_scale):
+    """The kernels at each shipped tile (forced: the interpreter, or this GPU, runs them at its sizes and
+    stage counts) against the reference, over topk tails, extra caches and causal masks."""
+    if backend != "triton":
+        pytest.skip("tile configurations belong to the Triton tier")
+    import anymla
+    from anymla.testing import compare_outputs
+    from anymla.triton_kernels import tuning
+    op, args = make()
+    with tuning.forced(tile):
+        if op == "sparse_prefill":
+            got = anymla.flash_mla_sparse_fwd(**args, backend=backend)
+            ref = anymla.flash_mla_sparse_fwd(**args, backend="reference")
+        else:
+            meta, _ = anymla.get_mla_metadata()
+            got = anymla.flash_mla_with_kvcache(**args, tile_scheduler_metadata=meta, backend=backend)
+            ref = anymla.flash_mla_with_kvcache(**args, tile_scheduler_metadata=None, backend="reference")
+    compare_outputs(op, got, ref, scale=tol_scale)
 
 
 def test_a_launcher_keeps_no_tensor_of_the_calls_it_launched(monkeypatch):

@@ -47,15 +47,16 @@ def unavailable_reasons(device: torch.device) -> list[str]:
     return [f"the Triton tier targets cuda, npu and (interpreted) cpu devices, not {device.type}"]
 
 
-# Below this much shared memory a block (sm_86, sm_89, sm_120: 99 KB) the 64-head tiles fit at no pipeline depth.
+# Below this much shared memory a block (sm_86, sm_89: 99 KB) the 64-head tiles fit at no pipeline depth.
 _SMALL_SHARED_MEMORY = 128 * 1024
 
 
 @functools.lru_cache(maxsize=None)
 def device_kind(device: torch.device) -> str:
-    """``interpret``, ``cuda_sm90`` (Hopper), ``cuda_sm100`` (Blackwell datacenter), ``cuda_small_smem`` (NVIDIA
-    with < 128 KB of shared memory a block), ``cuda`` (other NVIDIA), ``rocm`` (AMD through torch's ROCm build,
-    which calls its GPUs ``cuda`` too) or ``npu``: keys of the tuning tables."""
+    """``interpret``, ``cuda_sm90`` (Hopper), ``cuda_sm100`` (Blackwell datacenter), ``cuda_sm120`` (consumer
+    Blackwell: 99 KB of shared memory a block, mma.sync but TMA), ``cuda_small_smem`` (other NVIDIA with < 128 KB
+    of shared memory a block: sm_86/89), ``cuda`` (other NVIDIA), ``rocm`` (AMD through torch's ROCm build,
+    which calls its GPUs ``cuda`` too) or ``npu``: keys of the tuning table (``tuning.TILES``)."""
     if device.type == "cpu":
         return "interpret"
     if device.type == "npu":
@@ -67,6 +68,8 @@ def device_kind(device: torch.device) -> str:
         return "cuda_sm90"
     if major == 10:
         return "cuda_sm100"
+    if major == 12:
+        return "cuda_sm120"
     return "cuda_small_smem" if max_shared_memory(device) < _SMALL_SHARED_MEMORY else "cuda"
 
 
@@ -148,6 +151,7 @@ _VERIFICATION = {
     "interpret": "Triton's interpreter: the reference grids pass in CI, but it is slow (meant for tests)",
     "cuda": f"A100-class GPUs (sm_80): tiles {_UNRUN}",
     "cuda_sm100": f"Blackwell (sm_100): tiles {_UNRUN}",
+    "cuda_sm120": f"consumer Blackwell (sm_120: RTX 50xx, RTX PRO 6000): tiles {_UNRUN}",
     "cuda_small_smem": f"99 KB-shared-memory GPUs (sm_86/89): tiles {_UNRUN}",
     "rocm": f"AMD GPUs (gfx942/gfx90a): tiles {_UNRUN}",
 }

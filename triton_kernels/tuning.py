@@ -77,8 +77,8 @@ def _rows_block(rows: int, cap: int) -> int:
 # TILES[kind, op, rows, cache] is the tile of the portable kernels and the measurement or compile check it
 # rests on, where
 #   kind   is a runtime.device_kind, or DEFAULT: the H200's measured tiles, which every kind runs in the regimes
-#          it has no row for (sm_90; sm_80, where compile_report --arch 80 finds them within its 163 KB, never
-#          run there; sm_100 but for its own rows),
+#          it has no row for (sm_90; sm_80, where compile_report --arch 80 finds them within its 163 KB but for
+#          one, never run there; sm_100 but for its own rows),
 #   op     "sparse" (the sparse kernel: prefill and decoding) or "dense" (dense decoding),
 #   rows   "few" (at most FEW_ROWS query rows a kv head: tensor-parallel head counts) or "many",
 #   cache  "bf16", "quantized" (any FP8/FP4 main cache) or a format's name where it has a tile of its own,
@@ -97,11 +97,20 @@ class TileRow:
     reason: str  # the measurement or compile check behind the tile
 
 
-# 99 KB of shared memory a block (sm_86/89, sm_120): the H200's few-head tiles.
+# 99 KB of shared memory a block (sm_86/89, sm_120): the H200's few-head tiles (compile_report numbers: Triton 3.7.1).
 _SMALL_SMEM_SPARSE = TileConfig(16, 32, 4, 6, False)
 _SMALL_SMEM_DENSE = TileConfig(16, 32, 4, 6, True)
 _SMALL_SMEM = ("the H200's few-head tile (DEFAULT), which compile_report --arch {arch} --shipped finds within "
-               "99 KB for every kernel; not measured on such a GPU")
+               "99 KB for every kernel but MODEL1's; not measured on such a GPU")
+# MODEL1 rows stage more than 99 KB at any depth of 64-key blocks, and at 2 or more stages of 32-key ones.
+_SMALL_SMEM_MODEL1 = TileConfig(16, 32, 8, 1, False)
+_SMALL_SMEM_MODEL1_WHY = ("compile_report --arch 86 / 120 --shipped: 82 KB with a MODEL1 extra cache, no spills (the "
+                          "other formats' 6-stage tile needs 181 KB, 4 warps at one stage spill 16-32 B); 8 warps "
+                          "and one stage as on the H200 (DEFAULT's MODEL1 row), 32-key blocks to fit; not measured")
+# On sm_120 these tiles spill 32 B in sparse decoding and 52 B in dense decoding; on sm_90, where they were measured
+# fastest, 32 and 36 B. Kept: the spill-free variants (8 warps) lose the gather prefetch, and were 1.4-2x slower on
+# the H200 for few-head decoding (sparse_mla/NOTES.md run 29).
+_SM120_SPILLS = "; spills 32-52 B, as the same tiles do on the H200, where they were measured fastest"
 # Blackwell datacenter GPUs (sm_100): Triton lowers Hopper's 64-key tiles with more staging there (345 KB).
 _SM100_TILE = TileConfig(64, 32, 8, 3, False)
 _SM100 = ("32 keys and 3 stages fit the 227 KB with gathers prefetched (compile_report --arch 100 --shipped); "
@@ -111,11 +120,17 @@ TILES: dict[tuple[str, str, str, str], TileRow] = {
     ("interpret", ANY, ANY, ANY): TileRow(
         TileConfig(64, 64, 4, 1), "Triton's interpreter costs per operation, not per element: few, large tiles"),
 
-    ("rocm", ANY, "many", ANY): TileRow(
-        TileConfig(64, 16, 4, 1), "64 KB of LDS a block (MI300X, MI250): the largest head block that compiles "
-                                  "within it (compile_report --arch gfx942); never run on an AMD GPU"),
-    ("rocm", ANY, "few", ANY): TileRow(
-        TileConfig(16, 32, 4, 2), "64 KB of LDS a block: compile_report --arch gfx942; never run on an AMD GPU"),
+    # 64 KB of LDS a block (MI300X gfx942, MI250 gfx90a): the largest head blocks that fit without spills in
+    # compile_report --arch gfx942 / gfx90a --shipped (Triton 3.7.1); never run on an AMD GPU.
+    ("rocm", ANY, "many", ANY): TileRow(TileConfig(64, 16, 4, 1), "fits 64 KB without spills"),
+    ("rocm", "sparse", "many", "quantized"): TileRow(
+        TileConfig(32, 16, 4, 1), "the 64-row tile spills 188 / 332 B (gfx90a / gfx942) in V3.2 decoding and "
+                                  "80 / 132 B in V4.1 + FP4 decoding, in every 64-row variant tried; 32 rows spill "
+                                  "none (twice the programs, each gathering its rows: time both on an AMD GPU)"),
+    ("rocm", ANY, "few", ANY): TileRow(TileConfig(16, 32, 4, 2), "fits 64 KB without spills"),
+    ("rocm", "dense", "few", ANY): TileRow(
+        TileConfig(16, 16, 4, 2), "32-key blocks spill 36 B on gfx942 (136 B with Triton 3.6.0), 16-key blocks "
+                                  "none"),
 
     ("npu", ANY, ANY, "bf16"): TileRow(
         TileConfig(16, 32, 1, 1), "unified buffer (192 KB on A2/A3): a [16, 512] fp32 accumulator plus a 32-row "
@@ -125,8 +140,18 @@ TILES: dict[tuple[str, str, str, str], TileRow] = {
                                  "unified buffer for every quantized format, and that 8 rows fit every format "
                                  "and extra-cache pairing"),
 
-    ("cuda_small_smem", "sparse", ANY, ANY): TileRow(_SMALL_SMEM_SPARSE, _SMALL_SMEM.format(arch="86/89")),
-    ("cuda_small_smem", "dense", ANY, ANY): TileRow(_SMALL_SMEM_DENSE, _SMALL_SMEM.format(arch="86/89")),
+    ("cuda_small_smem", "sparse", ANY, ANY): TileRow(_SMALL_SMEM_SPARSE, _SMALL_SMEM.format(arch="86")),
+    ("cuda_small_smem", "sparse", ANY, "MODEL1_FP8"): TileRow(_SMALL_SMEM_MODEL1, _SMALL_SMEM_MODEL1_WHY),
+    ("cuda_small_smem", "dense", ANY, ANY): TileRow(_SMALL_SMEM_DENSE, _SMALL_SMEM.format(arch="86")),
+
+    ("cuda_sm120", "sparse", ANY, ANY): TileRow(_SMALL_SMEM_SPARSE, _SMALL_SMEM.format(arch="120") + _SM120_SPILLS),
+    ("cuda_sm120", "sparse", ANY, "MODEL1_FP8"): TileRow(_SMALL_SMEM_MODEL1, _SMALL_SMEM_MODEL1_WHY),
+    ("cuda_sm120", "dense", ANY, ANY): TileRow(_SMALL_SMEM_DENSE, _SMALL_SMEM.format(arch="120") + _SM120_SPILLS),
+
+    ("cuda", "sparse", "many", "MODEL1_FP8"): TileRow(
+        TileConfig(64, 16, 8, 1, False), "compile_report --arch 80 --shipped: 98 KB, 40 B spilled; DEFAULT's 64-key "
+                                         "tile needs 192 KB of the 163 (8.5 KB spilled), the 32-key one the launch "
+                                         "would shrink it to spills 6.6 KB; not measured"),
 
     ("cuda_sm100", "sparse", "many", "bf16"): TileRow(_SM100_TILE, _SM100),
     ("cuda_sm100", "dense", "many", ANY): TileRow(_SM100_TILE, _SM100),
