@@ -1,5 +1,6 @@
 """The cache writer and the prolog kernels against their PyTorch references (Triton in the interpreter on
-a CPU): byte-identical cache writes in every format, the fused prolog and the q assembly within rounding."""
+a CPU): byte-identical cache writes in every format, the fused prolog and the q assembly within rounding,
+the DSA indices' cache slots exactly."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch
 from anymla import kvcache
 from anymla.kvcache import KVCacheFormat as F
 from anymla.layers import (RopeTable, assemble_q, assemble_q_reference, explain_write_cache, kernels, mla_prolog,
-                           mla_prolog_reference, write_cache, write_cache_reference)
+                           mla_prolog_reference, sparse_slots, write_cache, write_cache_reference)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TRITON = kernels.choose(DEVICE)[0] == "triton"
@@ -105,6 +106,9 @@ def test_writer_errors_name_the_argument():
                     torch.zeros(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="backend"):
         write_cache(cache, torch.zeros(3, 576), torch.zeros(3, dtype=torch.int32), backend="cuda")
+    huge = torch.empty(656, dtype=torch.uint8).as_strided((1 << 25, 64, 1, 656), (0, 0, 0, 1))  # 2^31 slots
+    with pytest.raises(ValueError, match="2\\^31"):
+        write_cache(huge, torch.zeros(1, 576), torch.zeros(1, dtype=torch.int32))
 
 
 def test_explain_names_the_choice():
@@ -179,4 +183,98 @@ def test_kernels_compile_for_hopper_and_ampere_without_spills():
                           "--arch", "90", "80"], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("sm/")]
-    assert len(lines) == 16 and all(" spills    0 B" in ln and "fits" in ln for ln in lines), run.stdout
+    assert len(lines) == 18 and all(" spills    0 B" in ln and "fits" in ln for ln in lines), run.stdout
+
+
+def _slots_oracle(indices, positions, table, page):
+    """The cache slot of each index, element by element (what sparse_slots must return)."""
+    out = torch.full(indices.shape, -1, dtype=torch.int32)
+    for (i, j, k), p in zip(torch.cartesian_prod(*(torch.arange(n) for n in indices.shape)).tolist(),
+                            indices.flatten().tolist()):
+        if 0 <= p <= positions[i, j] and p < table.shape[1] * page:
+            out[i, j, k] = table[i, p // page] * page + p % page
+    return out
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
+def test_sparse_slots_drop_what_a_query_may_not_attend(impl, dtype):
+    if impl == "triton" and not TRITON:
+        pytest.skip(kernels.choose(DEVICE)[1])
+    g = torch.Generator().manual_seed(5)
+    b, s, topk, page, max_blocks = 3, 2, 37, 4, 5
+    table = torch.randperm(40, generator=g)[: b * max_blocks].view(b, max_blocks).int()
+    positions = torch.tensor([[5, 6], [18, 19], [0, 1]])
+    wide = torch.randint(-3, max_blocks * page + 6, (b, s, 2 * topk), generator=g)
+    wide[..., 0] = -1
+    wide[..., 2] = max_blocks * page  # one past the block table
+    wide[..., 4] = 1 << 30
+    indices = wide[..., ::2]  # strided: the kernel reads any layout
+    want = _slots_oracle(indices, positions, table, page)
+    assert (want >= 0).sum() > 10 and (want < 0).sum() > 10  # both kinds occur
+    got = sparse_slots(indices.to(dtype).to(DEVICE), positions.to(DEVICE), table.to(DEVICE), page, backend=impl)
+    assert got.dtype == torch.int32 and torch.equal(got.cpu(), want)
+
+
+def test_sparse_slots_errors_name_the_argument():
+    idx, pos, table = torch.zeros(2, 1, 4, dtype=torch.int32), torch.zeros(2, 1), torch.zeros(2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="positions"):
+        sparse_slots(idx, pos, table, 4)
+    with pytest.raises(ValueError, match="block_table"):
+        sparse_slots(idx, pos.long(), table.long(), 4)
+    with pytest.raises(ValueError, match="indices"):
+        sparse_slots(idx[0], pos.long(), table, 4)
+    with pytest.raises(ValueError, match="page_size"):
+        sparse_slots(idx, pos.long(), table, 0)
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", [F.BF16, F.V32_FP8], ids=lambda f: f.name)
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_prolog_takes_slots_from_the_block_table(fmt, impl):
+    """With block_table instead of slots the prolog writes the same bytes as with the slots cache_slots gives,
+    and nothing for a position past the table."""
+    g = torch.Generator().manual_seed(6)
+    b, s, nb, page = 3, 4, 9, 4
+    a = (torch.randn(b * s, 24 + 576, generator=g) * 3).bfloat16().to(DEVICE)
+    q_w = (1 + 0.2 * torch.randn(24, generator=g)).bfloat16().to(DEVICE)
+    w = (1 + 0.2 * torch.randn(512, generator=g)).bfloat16().to(DEVICE)
+    table = torch.randperm(nb, generator=g)[: b * 2].view(b, 2).int().to(DEVICE)
+    positions = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [5, 6, 7, 8]], device=DEVICE)  # 8: past the table
+    expect_slots = kvcache.cache_slots(positions.clamp(max=7), table, page).view(-1)
+    expect_slots[-1] = -1
+    table_cache, slot_cache = _empty_cache(fmt, nb, page, 576), _empty_cache(fmt, nb, page, 576)
+    args = dict(q_lat=a[:, :24], q_norm_weight=q_w, backend=impl)
+    q_table = mla_prolog(a[:, 24:], w, 1e-6, positions.view(-1), _table("interleaved"), table_cache, None,
+                         block_table=table, **args)
+    q_slots = mla_prolog(a[:, 24:], w, 1e-6, positions.view(-1), _table("interleaved"), slot_cache, expect_slots,
+                         **args)
+    assert torch.equal(_storage(table_cache), _storage(slot_cache)) and torch.equal(q_table, q_slots)
+    written = (_storage(table_cache) != _storage(_empty_cache(fmt, nb, page, 576))).sum().item()
+    assert written > 0.9 * (b * s - 1) * (656 if fmt.is_quantized else 1152)  # every token but the last
+    with pytest.raises(ValueError, match="slots / block_table"):
+        mla_prolog(a[:, 24:], w, 1e-6, positions.view(-1), _table("interleaved"), slot_cache, expect_slots,
+                   block_table=table)
+    with pytest.raises(ValueError, match="block_table"):
+        mla_prolog(a[:, 24:], w, 1e-6, positions.view(-1), _table("interleaved"), slot_cache, None,
+                   block_table=torch.zeros(5, 2, dtype=torch.int32, device=DEVICE))  # 12 tokens, 5 requests?
+
+
+@needs_triton
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_assemble_q_rotates_in_place_after_the_bmm(impl):
+    """The layer's form: the absorbing bmm writes into the query (out=) and the assembly only rotates q_pe;
+    the result equals the copying assembly's bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    h, n = 5, 7
+    q = torch.randn(n, h, 96, generator=g).bfloat16().to(DEVICE)
+    w_uk = torch.randn(h, 32, 512, generator=g).bfloat16().to(DEVICE)
+    pos = torch.randint(0, 300, (n,), generator=g).to(DEVICE)
+    table = _table("interleaved")
+    copied = assemble_q(torch.bmm(q[..., :32].transpose(0, 1), w_uk), q[..., 32:], pos, table, backend=impl)
+    out = torch.full((n, h, 576), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    torch.bmm(q[..., :32].transpose(0, 1), w_uk, out=out[..., :512].transpose(0, 1))
+    assert assemble_q(None, q[..., 32:], pos, table, out=out, backend=impl) is out
+    assert torch.equal(out, copied)
+    with pytest.raises(ValueError, match="out"):
+        assemble_q(None, q[..., 32:], pos, table)

@@ -3,7 +3,7 @@
 :class:`MLAAttention` takes hidden states and positions, writes the step's latent rows into a paged cache of
 any format and returns the layer's output (o_proj applied, residual optional); :func:`from_hf` builds it from
 a Hugging Face ``DeepseekV3Attention`` / ``DeepseekV32Attention`` module. :func:`write_cache` is the public
-quantize-on-write cache writer for every format.
+quantize-on-write cache writer for every format, :func:`sparse_slots` turns DSA indices into cache slots.
 """
 
 from .attention import MLAAttention
@@ -13,7 +13,9 @@ from .eager import mla_forward_eager
 from .hf import config_from_hf, from_hf
 from .prolog import assemble_q, assemble_q_reference, mla_prolog, mla_prolog_reference, rms_norm
 from .rope import RopeTable, apply_rope, rope_frequencies
+from .slots import sparse_slots, sparse_slots_reference
 
 __all__ = ["MLAAttention", "MLAConfig", "from_hf", "config_from_hf", "write_cache", "write_cache_reference",
            "explain_write_cache", "mla_prolog", "mla_prolog_reference", "assemble_q", "assemble_q_reference",
-           "rms_norm", "RopeTable", "apply_rope", "rope_frequencies", "mla_forward_eager"]
+           "rms_norm", "RopeTable", "apply_rope", "rope_frequencies", "mla_forward_eager", "sparse_slots",
+           "sparse_slots_reference"]

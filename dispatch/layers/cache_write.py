@@ -21,6 +21,13 @@ __all__ = ["write_cache", "write_cache_reference", "explain_write_cache"]
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def check_slot_count(cache: torch.Tensor, name: str = "cache") -> None:
+    """Slots are int32 (FlashMLA's indices; the kernels divide them in 32 bits)."""
+    if cache.shape[0] * cache.shape[1] >= 2 ** 31:
+        raise ValueError(f"{name}: at most 2^31 - 1 slots (num_blocks * page_size) are addressable, got shape "
+                         f"{tuple(cache.shape)}")
+
+
 def _validate(cache: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor) -> KVCacheFormat:
     if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
         raise ValueError(f"cache: expected a 4-dim paged cache [num_blocks, page_size, 1, d], got "
@@ -30,6 +37,7 @@ def _validate(cache: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor) ->
         raise ValueError(f"cache: the MLA latent cache has one kv head (dim 2), got shape {tuple(cache.shape)}")
     if cache.stride(-1) != 1:
         raise ValueError(f"cache: the last dim must be contiguous, got strides {cache.stride()}")
+    check_slot_count(cache)
     d = cache.shape[-1] if fmt is KVCacheFormat.BF16 else fmt.spec.d_qk
     if fmt is KVCacheFormat.BF16 and d not in (512, 576):
         raise ValueError(f"cache: a bf16/fp16 cache holds d_qk 576 or 512 per token, got {d}")

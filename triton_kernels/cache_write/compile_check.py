@@ -9,32 +9,37 @@ from __future__ import annotations
 
 import argparse
 
-from ..compile_report import ARCHS, report
-from .kernel import cache_write_kernel, mla_prolog_kernel, q_assemble_kernel
-from .launch import GPU_TILE
+from ..compile_report import ARCHS, Arch, report
+from .kernel import cache_write_kernel, mla_prolog_kernel, q_assemble_kernel, sparse_slots_kernel
+from .launch import GPU_TILE, GPU_WRITER_TILE
 
 _BYTE = {"cache_ptr": "*u8"}
 _BF16 = {"cache_ptr": "*bf16"}
 _IN = {"src_ptr": "*bf16", "slots_ptr": "*i64"}
 _PROLOG = {"kv_ptr": "*bf16", "kv_w_ptr": "*bf16", "q_ptr": "*bf16", "q_w_ptr": "*bf16", "q_out_ptr": "*bf16",
-           "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i32"}
+           "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i32", "bt_ptr": "*i32"}
 _FLOATS = ("kv_eps", "q_eps")
 
 
-def jobs():
-    """(label, kernel, pointer types, constexprs) of every shipped instantiation."""
+def jobs(arch: Arch = ARCHS["90"]):
+    """(label, kernel, pointer types, constexprs, warps) of every shipped instantiation on ``arch`` (the layer's:
+    prolog slots from the block table, the q assembly rotating q_pe only)."""
     out = []
     for fmt, name, d in ((0, "BF16", 576), (1, "V32_FP8", 576), (2, "MODEL1_FP8", 512), (3, "V41_FP8", 512),
                          (4, "V41_FP4", 512)):
         ptrs = {**_IN, **(_BF16 if fmt == 0 else _BYTE)}
-        out.append((f"write {name}", cache_write_kernel, ptrs, dict(FMT=fmt, D=d, BLOCK_T=GPU_TILE[0])))
+        out.append((f"write {name}", cache_write_kernel, ptrs,
+                    dict(FMT=fmt, D=d, NATIVE_FP8=arch.native_fp8, BLOCK_T=GPU_WRITER_TILE[0]), GPU_WRITER_TILE[1]))
     for fmt, name in ((0, "BF16"), (1, "V32_FP8")):
         ptrs = {**_PROLOG, **(_BF16 if fmt == 0 else _BYTE)}
         out.append((f"prolog {name} q1536", mla_prolog_kernel, ptrs,
-                    dict(FMT=fmt, ROPE_STYLE=0, Q_RANK=1536, Q_BLOCK=2048, BLOCK_T=GPU_TILE[0])))
+                    dict(FMT=fmt, ROPE_STYLE=0, Q_RANK=1536, Q_BLOCK=2048, SLOTS_FROM_TABLE=True,
+                         NATIVE_FP8=arch.native_fp8, BLOCK_T=GPU_TILE[0]), GPU_TILE[1]))
     out.append(("q assembly", q_assemble_kernel, {"qn_ptr": "*bf16", "qpe_ptr": "*bf16", "pos_ptr": "*i64",
                                                  "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*bf16"},
-                dict(D_LAT=512, ROPE_STYLE=0, BLOCK_H=16)))
+                dict(D_LAT=512, ROPE_STYLE=0, COPY_NOPE=False, BLOCK_H=16), 4))
+    out.append(("sparse slots", sparse_slots_kernel, {"idx_ptr": "*i32", "pos_ptr": "*i64", "bt_ptr": "*i32",
+                                                      "out_ptr": "*i32"}, dict(BLOCK_K=1024), 4))
     return out
 
 
@@ -45,11 +50,11 @@ def main(argv=None) -> list[tuple[str, str, dict]]:
     import anymla.triton_kernels.compile_report as cr
     results = []
     for arch in args.arch:
-        for label, kernel, ptrs, consts in jobs():
+        for label, kernel, ptrs, consts, warps in jobs(ARCHS[arch]):
             saved = cr._FLOAT_ARGS
             cr._FLOAT_ARGS = set(saved) | set(_FLOATS)  # the eps arguments are floats
             try:
-                r = report(kernel, ptrs, consts, GPU_TILE[1], ARCHS[arch])
+                r = report(kernel, ptrs, consts, warps, ARCHS[arch])
             finally:
                 cr._FLOAT_ARGS = saved
             results.append((arch, label, r))

@@ -1,9 +1,11 @@
 """Triton kernels of the MLA prolog: quantize-on-write into a paged cache (every anymla format), the fused
-latent RMSNorm + k_pe RoPE + cache write, and the q assembly (absorbed nope part + RoPE of q_pe).
+latent RMSNorm + k_pe RoPE + cache write, the q assembly (absorbed nope part + RoPE of q_pe), and the DSA
+indices' cache slots.
 
 Exactness. The encoders are integer arithmetic on fp32 bits, so the interpreter, NVIDIA and Ascend write the
-same bytes: e4m3 and the e4m3 FP4 scale round to nearest even (subnormals too), FP8 tile scales are
-``2^ceil(log2(max(amax / 448, 1e-4)))`` with the ceiling taken exactly from the bits (``amax / 448`` with a
+same bytes (NVIDIA sm_89+ converts the FP8 codes in hardware instead: the same rounding, far fewer
+instructions; see NOTES.md): e4m3 and the e4m3 FP4 scale round to nearest even (subnormals too), FP8 tile
+scales are ``2^ceil(log2(max(amax / 448, 1e-4)))`` with the ceiling taken exactly from the bits (``amax / 448`` with a
 correctly rounded division), and FP4 divides with ``div_rn`` as torch does. The bytes are those of
 :func:`anymla.kvcache.quantize` for bf16/fp16 rows; for fp32 rows they differ only where ``amax / 448``
 lies a few ulps above a power of two, where torch's fp32 ``log2`` rounds to the integer below (a tile
@@ -47,6 +49,18 @@ def e4m3_code(x):
     sub = (q + up.to(tl.uint32)).to(tl.int32)
     code = tl.where(exp >= 121, normal, sub)
     return (code.to(tl.uint32) | sign).to(tl.uint8)
+
+
+@triton.jit
+def e4m3_encode(x, NATIVE_FP8: tl.constexpr):
+    """fp32 -> e4m3fn byte, saturating at +-448: the hardware conversion (sm_89+: round to nearest even,
+    subnormals included, saturation built in, two values an instruction) or the clamp and :func:`e4m3_code`'s
+    ~35 integer operations (the interpreter, Ascend, older GPUs). Both give the bytes of torch's cast of the
+    clamped value."""
+    if NATIVE_FP8:
+        return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        return e4m3_code(tl.minimum(tl.maximum(x, -448.0), 448.0))
 
 
 @triton.jit
@@ -112,7 +126,8 @@ def store_bytes_le(ptr, word, NBYTES: tl.constexpr, mask):
 
 
 @triton.jit
-def store_fp8_tiles(cache_ptr, row_at, scale_at, x, mask, tile_ok, FP32_SCALES: tl.constexpr):
+def store_fp8_tiles(cache_ptr, row_at, scale_at, x, mask, tile_ok, FP32_SCALES: tl.constexpr,
+                    NATIVE_FP8: tl.constexpr):
     """Quantize ``x [BT, NT, TILE]`` (fp32) with one pow2 scale per tile and store it: codes at
     ``row_at + tile * TILE + j``, scales at ``scale_at`` (4-byte fp32 each, or one e8m0 byte each).
     ``tile_ok [NT]`` masks tiles beyond the format's count (MODEL1 has 7, padded to 8)."""
@@ -120,7 +135,7 @@ def store_fp8_tiles(cache_ptr, row_at, scale_at, x, mask, tile_ok, FP32_SCALES: 
     TILE: tl.constexpr = x.shape[2]
     e = pow2_scale_exponent(tl.max(tl.abs(x), axis=2))
     y = x * _exp2_int(-e)[:, :, None]  # exact: a power-of-two scale divides without rounding
-    codes = e4m3_code(tl.minimum(tl.maximum(y, -448.0), 448.0))
+    codes = e4m3_encode(y, NATIVE_FP8)
     tiles = tl.arange(0, NT)
     col = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
     m2 = mask[:, None] & tile_ok[None, :]
@@ -133,11 +148,20 @@ def store_fp8_tiles(cache_ptr, row_at, scale_at, x, mask, tile_ok, FP32_SCALES: 
 
 
 @triton.jit
+def bf16_bits_of(x):
+    """bf16 bit patterns (uint16) of ``x``: its own bits when it is bf16 already, else rounded by
+    :func:`bf16_bits`."""
+    if x.dtype == tl.bfloat16:
+        return x.to(tl.uint16, bitcast=True)
+    else:
+        return bf16_bits(x.to(tl.float32))
+
+
+@triton.jit
 def store_bf16(cache_ptr, at, x, mask):
-    """Store ``x [BT, N]`` (fp32) as little-endian bf16 at byte offsets ``at[:, None] + 2 * j``."""
+    """Store ``x [BT, N]`` (any float dtype) as little-endian bf16 at byte offsets ``at[:, None] + 2 * j``."""
     j = tl.arange(0, x.shape[1])
-    bits = bf16_bits(x)
-    store_bytes_le(cache_ptr + at[:, None] + 2 * j[None, :], bits, 2, mask[:, None])
+    store_bytes_le(cache_ptr + at[:, None] + 2 * j[None, :], bf16_bits_of(x), 2, mask[:, None])
 
 
 @triton.jit
@@ -160,15 +184,25 @@ def store_fp4_tiles(cache_ptr, row_at, scale_at, x_even, x_odd, mask):
 
 
 @triton.jit
-def slot_addresses(slots_ptr, tok, n_tokens, capacity, page_size, block_stride, token_stride,
-                   FMT: tl.constexpr):
-    """(valid [BT], data byte offset [BT], scale byte offset [BT]) of the tokens ``tok``; for BF16 caches the
-    data offset is in elements and the scale offset unused."""
-    slot = tl.load(slots_ptr + tok, mask=tok < n_tokens, other=-1).to(tl.int64)
-    valid = (tok < n_tokens) & (slot >= 0) & (slot < capacity)
-    slot = tl.where(valid, slot, 0)
-    blk = slot // page_size
-    off = slot % page_size
+def table_slots(table_ptr, table_stride, req, p, ok, page_size, max_blocks):
+    """Cache slots ``block_table[req, p // page_size] * page_size + p % page_size`` of token positions ``p``
+    (int tensors of one shape), -1 where ``ok`` is false, ``p < 0`` or ``p`` lies past the block table."""
+    ok = ok & (p >= 0) & (p < max_blocks * page_size)
+    q = tl.where(ok, p, 0)
+    blk = tl.load(table_ptr + req.to(tl.int64) * table_stride + q // page_size, mask=ok, other=0)
+    return tl.where(ok, blk * page_size + q % page_size, -1)
+
+
+@triton.jit
+def slot_addresses(slot, live, capacity, page_size, block_stride, token_stride, FMT: tl.constexpr):
+    """(valid [BT], data byte offset [BT], scale byte offset [BT]) of the cache slots ``slot`` of the tokens
+    where ``live`` holds; for BF16 caches the data offset is in elements and the scale offset unused."""
+    slot = slot.to(tl.int64)
+    valid = live & (slot >= 0) & (slot < capacity)
+    # 32-bit division (a cache holds < 2^31 slots): a 64-bit one is a subroutine call on NVIDIA GPUs
+    slot = tl.where(valid, slot, 0).to(tl.int32)
+    blk = (slot // page_size).to(tl.int64)
+    off = (slot % page_size).to(tl.int64)
     if FMT == FMT_MODEL1_FP8:
         row_at = blk * block_stride + off * 576
         scale_at = blk * block_stride + page_size * 576 + off * 8
@@ -183,23 +217,29 @@ def slot_addresses(slots_ptr, tok, n_tokens, capacity, page_size, block_stride, 
 
 @triton.jit
 def cache_write_kernel(src_ptr, src_stride, slots_ptr, cache_ptr, n_tokens, capacity, page_size,
-                       block_stride, token_stride, FMT: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+                       block_stride, token_stride, FMT: tl.constexpr, D: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                       BLOCK_T: tl.constexpr):
     """Write ``n_tokens`` latent rows ``src [n_tokens, D]`` (any float dtype, row stride ``src_stride``) into
     the paged cache at their slots. Strides of the cache are in its elements (bytes for quantized caches)."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    valid, row_at, scale_at = slot_addresses(slots_ptr, tok, n_tokens, capacity, page_size, block_stride,
-                                             token_stride, FMT)
+    live = tok < n_tokens
+    slot = tl.load(slots_ptr + tok, mask=live, other=-1)
+    valid, row_at, scale_at = slot_addresses(slot, live, capacity, page_size, block_stride, token_stride, FMT)
     src = src_ptr + tok.to(tl.int64) * src_stride
     m2 = valid[:, None]
     if FMT == FMT_BF16:
         ty = cache_ptr.dtype.element_ty
         j = tl.arange(0, 512)
-        x = tl.load(src[:, None] + j[None, :], mask=m2, other=0.0).to(tl.float32)
-        tl.store(cache_ptr + row_at[:, None] + j[None, :], round_to(x, ty), mask=m2)
+        x = tl.load(src[:, None] + j[None, :], mask=m2, other=0.0)
+        if x.dtype != ty:  # a cast-copy only where the dtypes differ
+            x = round_to(x.to(tl.float32), ty)
+        tl.store(cache_ptr + row_at[:, None] + j[None, :], x, mask=m2)
         if D == 576:
             r = tl.arange(0, 64)
-            x = tl.load(src[:, None] + 512 + r[None, :], mask=m2, other=0.0).to(tl.float32)
-            tl.store(cache_ptr + row_at[:, None] + 512 + r[None, :], round_to(x, ty), mask=m2)
+            x = tl.load(src[:, None] + 512 + r[None, :], mask=m2, other=0.0)
+            if x.dtype != ty:
+                x = round_to(x.to(tl.float32), ty)
+            tl.store(cache_ptr + row_at[:, None] + 512 + r[None, :], x, mask=m2)
     elif FMT == FMT_V41_FP4:
         col = tl.arange(0, 32)[:, None] * 16 + 2 * tl.arange(0, 8)[None, :]
         x_even = tl.load(src[:, None, None] + col[None, :, :], mask=m2[:, :, None], other=0.0).to(tl.float32)
@@ -225,13 +265,13 @@ def cache_write_kernel(src_ptr, src_stride, slots_ptr, cache_ptr, n_tokens, capa
         col = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
         x = tl.load(src[:, None, None] + col[None, :, :], mask=m2[:, :, None] & tile_ok[None, :, None],
                     other=0.0).to(tl.float32)
-        store_fp8_tiles(cache_ptr, row_at, scale_at, x, valid, tile_ok, FMT == FMT_V32_FP8)
+        store_fp8_tiles(cache_ptr, row_at, scale_at, x, valid, tile_ok, FMT == FMT_V32_FP8, NATIVE_FP8)
         r = tl.arange(0, 64)
         if FMT == FMT_V32_FP8:
-            rope = tl.load(src[:, None] + 512 + r[None, :], mask=m2, other=0.0).to(tl.float32)
+            rope = tl.load(src[:, None] + 512 + r[None, :], mask=m2, other=0.0)
             store_bf16(cache_ptr, row_at + 528, rope, valid)
         elif FMT == FMT_MODEL1_FP8:
-            rope = tl.load(src[:, None] + 448 + r[None, :], mask=m2, other=0.0).to(tl.float32)
+            rope = tl.load(src[:, None] + 448 + r[None, :], mask=m2, other=0.0)
             store_bf16(cache_ptr, row_at + 448, rope, valid)
             tl.store(cache_ptr + scale_at + 7, tl.zeros_like(scale_at).to(tl.uint8), mask=valid)
 
@@ -266,35 +306,35 @@ def rms_normed(x, w, eps, N: tl.constexpr, OUT_TY: tl.constexpr):
 def mla_prolog_kernel(kv_ptr, kv_stride, kv_w_ptr, kv_eps,
                       q_ptr, q_stride, q_w_ptr, q_eps, q_out_ptr, q_out_stride,
                       pos_ptr, cos_ptr, sin_ptr, table_stride,
-                      slots_ptr, cache_ptr, n_tokens, capacity, page_size, block_stride, token_stride,
+                      slots_ptr, bt_ptr, bt_stride, tokens_per_req, max_blocks,
+                      cache_ptr, n_tokens, capacity, page_size, block_stride, token_stride,
                       FMT: tl.constexpr, ROPE_STYLE: tl.constexpr, Q_RANK: tl.constexpr,
-                      Q_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
+                      Q_BLOCK: tl.constexpr, SLOTS_FROM_TABLE: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                      BLOCK_T: tl.constexpr):
     """The MLA prolog of V3 / V3.2 for BLOCK_T tokens: RMSNorm of the 512-wide kv latent, RoPE of k_pe (the
     64 columns after it) from the cos / sin table at each token's position, the 576-wide row written into a
     BF16 or V32_FP8 cache; and, when Q_RANK > 0, the RMSNorm of the q latent (``q [T, Q_RANK]`` ->
-    ``q_out``). RoPE keeps the model's layout (DeepSeek's interleaved pairs stay interleaved)."""
+    ``q_out``). RoPE keeps the model's layout (DeepSeek's interleaved pairs stay interleaved). The cache
+    slots are ``slots [T]``, or with SLOTS_FROM_TABLE the block table's slots of the positions (token t
+    belongs to request ``t // tokens_per_req``)."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     live = tok < n_tokens
     tok64 = tok.to(tl.int64)
     OUT_TY: tl.constexpr = kv_ptr.dtype.element_ty
-    if Q_RANK > 0:
-        c = tl.arange(0, Q_BLOCK)
-        qm = live[:, None] & (c < Q_RANK)[None, :]
-        xq = tl.load(q_ptr + tok64[:, None] * q_stride + c[None, :], mask=qm, other=0.0).to(tl.float32)
-        wq = tl.load(q_w_ptr + c, mask=c < Q_RANK, other=0.0).to(tl.float32)
-        yq = rms_normed(xq, wq, q_eps, Q_RANK, OUT_TY)
-        tl.store(q_out_ptr + tok64[:, None] * q_out_stride + c[None, :], round_to(yq, q_out_ptr.dtype.element_ty),
-                 mask=qm)
-
-    valid, row_at, scale_at = slot_addresses(slots_ptr, tok, n_tokens, capacity, page_size, block_stride,
-                                             token_stride, FMT)
+    # the kv latent before the q latent: the other order holds 144 registers on sm_90 instead of 95
+    pos = tl.load(pos_ptr + tok, mask=live, other=0)
+    if SLOTS_FROM_TABLE:
+        slot = table_slots(bt_ptr, bt_stride, tok // tokens_per_req, pos, live, page_size, max_blocks)
+    else:
+        slot = tl.load(slots_ptr + tok, mask=live, other=-1)
+    valid, row_at, scale_at = slot_addresses(slot, live, capacity, page_size, block_stride, token_stride, FMT)
     src = kv_ptr + tok64 * kv_stride
     j = tl.arange(0, 512)
     x = tl.load(src[:, None] + j[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     lat = rms_normed(x, tl.load(kv_w_ptr + j).to(tl.float32), kv_eps, 512, OUT_TY)
 
     ia, ib = rope_index(ROPE_STYLE)
-    pos = tl.load(pos_ptr + tok, mask=valid, other=0).to(tl.int64)
+    pos = pos.to(tl.int64)
     i = tl.arange(0, 32)
     cos = tl.load(cos_ptr + pos[:, None] * table_stride + i[None, :], mask=valid[:, None], other=0.0)
     sin = tl.load(sin_ptr + pos[:, None] * table_stride + i[None, :], mask=valid[:, None], other=0.0)
@@ -309,27 +349,40 @@ def mla_prolog_kernel(kv_ptr, kv_stride, kv_w_ptr, kv_eps,
         tl.store(cache_ptr + row_at[:, None] + 512 + ib[None, :], round_to(rb, ty), mask=valid[:, None])
     else:  # V32_FP8
         ok = tl.full((4,), 1, tl.int1)
-        store_fp8_tiles(cache_ptr, row_at, scale_at, tl.reshape(lat, (BLOCK_T, 4, 128)), valid, ok, True)
+        store_fp8_tiles(cache_ptr, row_at, scale_at, tl.reshape(lat, (BLOCK_T, 4, 128)), valid, ok, True,
+                        NATIVE_FP8)
         store_bytes_le(cache_ptr + row_at[:, None] + 528 + 2 * ia[None, :], bf16_bits(ra), 2, valid[:, None])
         store_bytes_le(cache_ptr + row_at[:, None] + 528 + 2 * ib[None, :], bf16_bits(rb), 2, valid[:, None])
+
+    if Q_RANK > 0:
+        c = tl.arange(0, Q_BLOCK)
+        qm = live[:, None] & (c < Q_RANK)[None, :]
+        xq = tl.load(q_ptr + tok64[:, None] * q_stride + c[None, :], mask=qm, other=0.0).to(tl.float32)
+        wq = tl.load(q_w_ptr + c, mask=c < Q_RANK, other=0.0).to(tl.float32)
+        yq = rms_normed(xq, wq, q_eps, Q_RANK, OUT_TY)
+        tl.store(q_out_ptr + tok64[:, None] * q_out_stride + c[None, :], round_to(yq, q_out_ptr.dtype.element_ty),
+                 mask=qm)
 
 
 @triton.jit
 def q_assemble_kernel(qn_ptr, qn_s_h, qn_s_t, qpe_ptr, qpe_s_t, qpe_s_h,
                       pos_ptr, cos_ptr, sin_ptr, table_stride,
                       out_ptr, out_s_t, out_s_h, n_heads,
-                      D_LAT: tl.constexpr, ROPE_STYLE: tl.constexpr, BLOCK_H: tl.constexpr):
+                      D_LAT: tl.constexpr, ROPE_STYLE: tl.constexpr, COPY_NOPE: tl.constexpr,
+                      BLOCK_H: tl.constexpr):
     """One token's attention query for BLOCK_H heads: ``out[t, h] = [q_nope_absorbed[h, t] (D_LAT) |
-    RoPE(q_pe[t, h]) (64)]``. Strides are in elements; the last dim of every input is contiguous."""
+    RoPE(q_pe[t, h]) (64)]``; without COPY_NOPE the nope part is in ``out`` already (the absorbing bmm wrote
+    it there) and only q_pe is rotated. Strides are in elements; the last dim of every input is contiguous."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = (h < n_heads)[:, None]
     h64 = h.to(tl.int64)
-    c = tl.arange(0, D_LAT)
-    nope = tl.load(qn_ptr + h64[:, None] * qn_s_h + t * qn_s_t + c[None, :], mask=hm, other=0.0)
     dst = out_ptr + t * out_s_t + h64[:, None] * out_s_h
     ty = out_ptr.dtype.element_ty
-    tl.store(dst + c[None, :], round_to(nope.to(tl.float32), ty), mask=hm)
+    if COPY_NOPE:
+        c = tl.arange(0, D_LAT)
+        nope = tl.load(qn_ptr + h64[:, None] * qn_s_h + t * qn_s_t + c[None, :], mask=hm, other=0.0)
+        tl.store(dst + c[None, :], round_to(nope.to(tl.float32), ty), mask=hm)
     ia, ib = rope_index(ROPE_STYLE)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     i = tl.arange(0, 32)
@@ -341,3 +394,20 @@ def q_assemble_kernel(qn_ptr, qn_s_h, qn_s_t, qpe_ptr, qpe_s_t, qpe_s_h,
     ra, rb = rope_pairs(a, b, cos, sin)
     tl.store(dst + D_LAT + ia[None, :], round_to(ra, ty), mask=hm)
     tl.store(dst + D_LAT + ib[None, :], round_to(rb, ty), mask=hm)
+
+
+@triton.jit
+def sparse_slots_kernel(idx_ptr, idx_s_b, idx_s_s, idx_s_k, pos_ptr, pos_s_b, pos_s_s, bt_ptr, bt_stride,
+                        out_ptr, s_q, topk, max_blocks, page_size, BLOCK_K: tl.constexpr):
+    """The cache slots of one query's DSA indices (token positions): ``out [b * s_q, topk]`` int32 holds
+    ``block_table[i, p // page] * page + p % page`` for ``p = indices[i, j, k]``, or -1 where ``p < 0``,
+    ``p > positions[i, j]`` (after the query) or ``p`` lies past the block table."""
+    row = tl.program_id(0)
+    i = row // s_q
+    j = row % s_q
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    live = k < topk
+    pos = tl.load(pos_ptr + i.to(tl.int64) * pos_s_b + j * pos_s_s)
+    p = tl.load(idx_ptr + i.to(tl.int64) * idx_s_b + j.to(tl.int64) * idx_s_s + k * idx_s_k, mask=live, other=-1)
+    slot = table_slots(bt_ptr, bt_stride, i, p, live & (p <= pos), page_size, max_blocks)
+    tl.store(out_ptr + row.to(tl.int64) * topk + k, slot.to(tl.int32), mask=live)

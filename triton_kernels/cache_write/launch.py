@@ -1,30 +1,66 @@
-"""Launchers of the cache writer and the MLA prolog kernels (called by :mod:`anymla.layers`, which validates
-the arguments first)."""
+"""Launchers of the cache writer, the MLA prolog, the q assembly and the DSA slot kernels (called by
+:mod:`anymla.layers`, which validates the arguments first).
+
+Every launch goes through anymla's direct :class:`~anymla.triton_kernels.launcher.Launcher`: after a kernel's
+first call with a given set of non-tensor arguments, later calls skip Triton's per-call binding and
+specialization (tens of microseconds of host time each, more than these kernels take on the GPU in a decode
+step).
+"""
 
 from __future__ import annotations
 
 import torch
-import triton
 
 from anymla.kvcache import KVCacheFormat
 
 from .. import runtime
-from .kernel import (ROPE_INTERLEAVED, ROPE_NEOX, cache_write_kernel, mla_prolog_kernel,
-                     q_assemble_kernel)
+from ..launcher import Launcher
+from .kernel import (ROPE_INTERLEAVED, ROPE_NEOX, cache_write_kernel, mla_prolog_kernel, q_assemble_kernel,
+                     sparse_slots_kernel)
 
 _FMT_CODE = {KVCacheFormat.BF16: 0, KVCacheFormat.V32_FP8: 1, KVCacheFormat.MODEL1_FP8: 2,
              KVCacheFormat.V41_FP8: 3, KVCacheFormat.V41_FP4: 4}
 _ROPE_CODE = {"interleaved": ROPE_INTERLEAVED.value, "neox": ROPE_NEOX.value}
 
 
-# (tokens per program, warps) on GPUs: 4 tokens keep every instantiation near 100 registers on sm_90 (8 tokens
-# take 124-216, 16 up to 254: fewer resident blocks for a memory-bound kernel), see NOTES.md.
+# (tokens per program, warps) on GPUs. The prolog: 4 tokens and 4 warps keep it near 100 registers on sm_90
+# (8 tokens take 124-216, 16 up to 254: fewer resident blocks for a memory-bound kernel). The writer: two tokens
+# a warp, the fewest instructions per token in the offline sm_90 build and the fastest tile of the H200 sweep
+# for every quantized format (run 32), see NOTES.md.
 GPU_TILE = (4, 4)
+GPU_WRITER_TILE = (4, 2)
+
+# Launchers by kernel, warps and every argument that is not a tensor (with the tensors' dtypes and device):
+# Triton specializes on integer values (1, multiples of 16), a Launcher only on pointer alignment.
+_LAUNCHERS: dict = {}
 
 
-def _tile() -> tuple[int, int]:
+def _launch(kernel, grid: tuple, args: list, num_warps: int, device: torch.device) -> None:
+    key = (kernel, num_warps, device) + tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args)
+    launcher = _LAUNCHERS.get(key)
+    if launcher is None:
+        launcher = _LAUNCHERS[key] = Launcher(kernel, num_warps=num_warps)
+    launcher(grid + (1,) * (3 - len(grid)), args)
+
+
+def _cdiv(a: int, b: int) -> int:
+    # triton.cdiv and triton.next_power_of_2 are constexpr functions: microseconds of host time per call
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _tile(writer: bool = False) -> tuple[int, int]:
     # The interpreter pays per program: fewer, larger programs there.
-    return (16, 4) if runtime.interpreting() else GPU_TILE
+    if runtime.interpreting():
+        return (16, 4)
+    return GPU_WRITER_TILE if writer else GPU_TILE
+
+
+def _native_fp8(device: torch.device) -> bool:
+    return not runtime.interpreting() and runtime.native_fp8(device)
 
 
 def _cache_geometry(cache: torch.Tensor, fmt: KVCacheFormat):
@@ -43,39 +79,60 @@ def write_rows(cache: torch.Tensor, fmt: KVCacheFormat, latent: torch.Tensor, sl
     if n == 0:
         return
     ptr, capacity, page, sb, st = _cache_geometry(cache, fmt)
-    bt, warps = tile or _tile()
-    cache_write_kernel[(triton.cdiv(n, bt),)](
-        latent, latent.stride(0), slots, ptr, n, capacity, page, sb, st,
-        FMT=_FMT_CODE[fmt], D=latent.shape[1], BLOCK_T=bt, num_warps=warps)
+    bt, warps = tile or _tile(writer=True)
+    _launch(cache_write_kernel, (_cdiv(n, bt),),
+            [latent, latent.stride(0), slots, ptr, n, capacity, page, sb, st,
+             _FMT_CODE[fmt], latent.shape[1], _native_fp8(cache.device), bt], warps, cache.device)
 
 
 def mla_prolog(kv_a: torch.Tensor, kv_weight: torch.Tensor, kv_eps: float, q_lat, q_weight, q_eps: float, q_out,
-               positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+               positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots, block_table,
                cache: torch.Tensor, fmt: KVCacheFormat, rope_style: str) -> None:
-    """Fused RMSNorm (kv latent, and q latent when ``q_lat`` is given) + RoPE of k_pe + cache write."""
+    """Fused RMSNorm (kv latent, and q latent when ``q_lat`` is given) + RoPE of k_pe + cache write, at
+    ``slots [T]`` or (``slots`` None) at the slots of ``block_table [b, max_blocks]`` for the positions."""
     n = kv_a.shape[0]
     if n == 0:
         return
     ptr, capacity, page, sb, st = _cache_geometry(cache, fmt)
     q_rank = 0 if q_lat is None else q_lat.shape[1]
-    q_args = (kv_a, 0, kv_weight, 0.0, kv_a, 0) if q_lat is None else (q_lat, q_lat.stride(0), q_weight, q_eps,
-                                                                        q_out, q_out.stride(0))
+    q_args = [kv_a, 0, kv_weight, 0.0, kv_a, 0] if q_lat is None else [q_lat, q_lat.stride(0), q_weight, q_eps,
+                                                                        q_out, q_out.stride(0)]
+    from_table = slots is None
+    table_args = ([None, block_table, block_table.stride(0), n // block_table.shape[0], block_table.shape[1]]
+                  if from_table else [slots, None, 0, 1, 0])
     bt, warps = _tile()
-    mla_prolog_kernel[(triton.cdiv(n, bt),)](
-        kv_a, kv_a.stride(0), kv_weight, kv_eps, *q_args, positions, cos, sin, cos.stride(0),
-        slots, ptr, n, capacity, page, sb, st,
-        FMT=_FMT_CODE[fmt], ROPE_STYLE=_ROPE_CODE[rope_style], Q_RANK=q_rank,
-        Q_BLOCK=triton.next_power_of_2(max(q_rank, 1)), BLOCK_T=bt, num_warps=warps)
+    _launch(mla_prolog_kernel, (_cdiv(n, bt),),
+            [kv_a, kv_a.stride(0), kv_weight, kv_eps, *q_args, positions, cos, sin, cos.stride(0), *table_args,
+             ptr, n, capacity, page, sb, st, _FMT_CODE[fmt], _ROPE_CODE[rope_style], q_rank,
+             _pow2(max(q_rank, 1)), from_table, _native_fp8(cache.device), bt], warps,
+            cache.device)
 
 
-def assemble_q(q_nope_abs: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, out: torch.Tensor, rope_style: str) -> None:
-    """``out [T, h, 512 + 64] = [q_nope_abs [h, T, 512] | RoPE(q_pe [T, h, 64])]``."""
-    h, n, d_lat = q_nope_abs.shape
+def assemble_q(q_nope_abs, q_pe: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               out: torch.Tensor, rope_style: str) -> None:
+    """``out [T, h, 512 + 64] = [q_nope_abs [h, T, 512] | RoPE(q_pe [T, h, 64])]``; with ``q_nope_abs`` None
+    the first 512 columns of ``out`` hold the absorbed q already and only q_pe is rotated."""
+    n, h, d = out.shape
     if n == 0:
         return
-    block_h = min(16, triton.next_power_of_2(h))
-    q_assemble_kernel[(n, triton.cdiv(h, block_h))](
-        q_nope_abs, q_nope_abs.stride(0), q_nope_abs.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
-        positions, cos, sin, cos.stride(0), out, out.stride(0), out.stride(1), h,
-        D_LAT=d_lat, ROPE_STYLE=_ROPE_CODE[rope_style], BLOCK_H=block_h, num_warps=4)
+    d_lat = d - 64
+    block_h = min(16, _pow2(h))
+    copy = q_nope_abs is not None
+    qn = [q_nope_abs, q_nope_abs.stride(0), q_nope_abs.stride(1)] if copy else [None, 0, 0]
+    _launch(q_assemble_kernel, (n, _cdiv(h, block_h)),
+            [*qn, q_pe, q_pe.stride(0), q_pe.stride(1), positions, cos, sin, cos.stride(0),
+             out, out.stride(0), out.stride(1), h, d_lat, _ROPE_CODE[rope_style], copy, block_h], 4, out.device)
+
+
+def sparse_slots(indices: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor, page_size: int,
+                 out: torch.Tensor) -> None:
+    """``out [b, s, topk]`` int32: the cache slots of ``indices [b, s, topk]`` (token positions; -1 where an
+    index is negative, after its query's position in ``positions [b, s]`` or past ``block_table``)."""
+    b, s, topk = indices.shape
+    if b * s * topk == 0:
+        return
+    block_k = min(1024, _pow2(topk))
+    _launch(sparse_slots_kernel, (b * s, _cdiv(topk, block_k)),
+            [indices, indices.stride(0), indices.stride(1), indices.stride(2), positions, positions.stride(0),
+             positions.stride(1), block_table, block_table.stride(0), out, s, topk, block_table.shape[1], page_size,
+             block_k], 4, out.device)
