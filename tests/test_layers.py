@@ -299,3 +299,101 @@ def test_bench_layer_runs_small(tmp_path):
     assert (tmp_path / "layer.csv").exists()
     assert {r["component"] for r in rows} >= {"layer", "sum of parts", "eager torch", "write_cache", "attention"}
     assert all("FAILED" not in r["note"] and "DIFFER" not in r["note"] for r in rows)
+
+
+def _decode_inputs(layer, fmt, seed=10):
+    """One decode step of 2 requests over a cache holding 4 earlier tokens each (written by the layer)."""
+    g = torch.Generator().manual_seed(seed)
+    table = torch.tensor([[2, 0], [3, 1]], dtype=torch.int32)
+    cache = _empty_cache(fmt, 4, 4)
+    layer(torch.randn(2, 4, 32, generator=g).bfloat16(), torch.arange(4).expand(2, 4), cache, table,
+          torch.tensor([4, 4], dtype=torch.int32))
+    indices = torch.tensor([[[0, 2, 4, -1]], [[1, 3, 4, 2]]])
+    return dict(hidden_states=torch.randn(2, 1, 32, generator=g).bfloat16(), positions=torch.tensor([[4], [4]]),
+                kv_cache=cache, block_table=table, cache_seqlens=torch.tensor([5, 5], dtype=torch.int32),
+                indices=indices if fmt is F.V32_FP8 else None, residual=torch.randn(2, 1, 32, generator=g).bfloat16())
+
+
+@pytest.mark.parametrize("fmt", [F.BF16, F.V32_FP8], ids=lambda f: f.name)
+def test_decode_step_is_five_gemms_and_the_layer_kernels(fmt):
+    """On the Triton tier a decode step issues no torch op besides its five GEMMs / bmms (slots, RoPE, norms,
+    the cache write and the query's layout are the layer's kernels: two, three with DSA indices), then the
+    attention call. Counted on the CPU, in the interpreter."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from anymla import api
+    from anymla.layers import kernels
+    from anymla.triton_kernels.cache_write import launch
+    if kernels.choose(torch.device("cpu"))[0] != "triton":
+        pytest.skip("needs the Triton tier on the CPU (TRITON_INTERPRET=1)")
+    layer = _small_layer(seed=4)
+    inp = _decode_inputs(layer, fmt)
+    layer(**inp)  # planned
+    inside, ops, launched = [0], [], []
+
+    class CountOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside[0] and func.overloadpacket not in _METADATA_OPS:
+                ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    def excluded(fn, tally=None):
+        def run(*args, **kwargs):
+            inside[0] += 1
+            if tally is not None:
+                tally.append(getattr(args[0], "__name__", str(args[0])))
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside[0] -= 1
+        return run
+
+    real_launch, real_attention = launch._launch, api.flash_mla_with_kvcache
+    launch._launch, api.flash_mla_with_kvcache = excluded(real_launch, launched), excluded(real_attention)
+    try:
+        with CountOps():
+            layer(**inp)
+    finally:
+        launch._launch, api.flash_mla_with_kvcache = real_launch, real_attention
+    assert sorted(ops) == ["aten.addmm", "aten.bmm", "aten.bmm", "aten.mm", "aten.mm"], ops
+    kernels_run = ["mla_prolog_kernel", "q_assemble_kernel"] + (["sparse_slots_kernel"] if fmt is F.V32_FP8 else [])
+    assert sorted(launched) == kernels_run
+
+
+_METADATA_OPS = {getattr(torch.ops.aten, n) for n in ("view", "reshape", "_unsafe_view", "transpose", "slice", "expand",
+                                                       "t", "select", "unsqueeze", "alias", "as_strided", "detach",
+                                                       "empty", "empty_like", "empty_strided", "split", "squeeze")}
+
+
+@pytest.mark.parametrize("fmt", [F.BF16, F.V32_FP8], ids=lambda f: f.name)
+def test_layer_kernels_agree_on_both_tiers_and_plan_once(fmt):
+    """The layer's torch kernels (where Triton cannot run) and its Triton kernels give the same step; each call
+    signature is checked and planned once (a new shape plans again, a bad argument still raises)."""
+    torch_layer, triton_layer = _small_layer(seed=5), _small_layer(seed=5)
+    torch_layer.kernel_backend = "torch"
+    from anymla.layers import kernels
+    if kernels.choose(torch.device("cpu"))[0] != "triton":
+        pytest.skip("needs the Triton tier on the CPU (TRITON_INTERPRET=1)")
+    a, b = _decode_inputs(torch_layer, fmt), _decode_inputs(triton_layer, fmt)
+    _assert_matches(triton_layer(**b), torch_layer(**a).float())
+    written = cache_slots(torch.arange(5).expand(2, 5), b["block_table"], 4).flatten()  # 4 earlier tokens + 1
+    got, want = gather_rows(b["kv_cache"], written).float(), gather_rows(a["kv_cache"], written).float()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=2.0 ** -7 if fmt is F.BF16 else 2.0 ** -3)
+    plans = len(triton_layer._plans)
+    triton_layer(**b)
+    assert len(triton_layer._plans) == plans  # the same signature: no new plan
+    triton_layer(**{**b, "residual": None})
+    assert len(triton_layer._plans) == plans + 1
+    with pytest.raises(ValueError, match="block_table"):
+        triton_layer(**{**b, "block_table": b["block_table"].long()})
+
+
+def test_indices_past_the_block_table_are_skipped():
+    layer = _small_layer(seed=6)
+    inp = _decode_inputs(layer, F.V32_FP8)
+    cache = inp["kv_cache"].clone()
+    want = layer(**{**inp, "kv_cache": cache.clone()})
+    far = inp["indices"].clone()
+    far[..., -1] = 8  # block_table covers positions 0..7
+    got = layer(**{**inp, "indices": torch.cat([inp["indices"], far[..., -1:]], -1), "kv_cache": cache.clone()})
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)

@@ -1,27 +1,48 @@
 """``MLAAttention``: DeepSeek V3 / V3.2 multi-head latent attention for inference over a paged cache.
 
 Per call: one GEMM for the q and kv down-projections, the fused prolog (RMSNorm of both latents, RoPE of
-k_pe, the cache write in the cache's format), the q up-projection, the absorbed q (``q_nope @ W_UK`` per
-head, a bmm) assembled with the roped q_pe, anymla's attention in the 512-wide latent space, ``W_UV`` (a
-bmm) and ``o_proj`` (with the residual added in the same GEMM). ``W_UK`` / ``W_UV`` are split out of
-``kv_b_proj`` and laid out for the bmms once, at load.
+k_pe, the cache write in the cache's format at the block table's slots), the q up-projection, the absorbed
+q (``q_nope @ W_UK`` per head, a bmm writing into the query) with the roped q_pe beside it, the DSA indices'
+cache slots (one kernel), anymla's attention in the 512-wide latent space, ``W_UV`` (a bmm writing
+``o_proj``'s input layout) and ``o_proj`` (with the residual added in the same GEMM). ``W_UK`` / ``W_UV``
+are split out of ``kv_b_proj`` and laid out for the bmms once, at load; what a call signature fixes is
+checked and planned once per signature.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 
 from .. import api
-from ..kvcache import KVCacheFormat, cache_slots, detect_format
-from ..metadata import get_mla_metadata
+from ..kvcache import KVCacheFormat
+from ..metadata import FlashMLASchedMeta, get_mla_metadata
+from . import kernels
 from .config import MLAConfig
-from .prolog import assemble_q, mla_prolog
+from .prolog import check_prolog_cache, run_assemble_q, run_prolog
 from .rope import RopeTable
+from .slots import check_block_table, check_slot_inputs, run_sparse_slots
 
 __all__ = ["MLAAttention"]
+
+
+def _signature(*args) -> tuple:
+    """What a call's plan depends on: each tensor's shape, dtype, device and strides, None, or a setting."""
+    return tuple((a.shape, a.dtype, a.device, a.stride()) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """What one call signature of :meth:`MLAAttention.forward` fixes."""
+
+    fmt: KVCacheFormat
+    kernels: str  # the prolog / assembly / slot kernels' implementation: "triton" or "torch"
+    sparse: bool  # sparse decoding (indices given, or a quantized cache) rather than dense
+    sched: FlashMLASchedMeta
+    every_position: Optional[torch.Tensor]  # [max_blocks * page] int32: the indices of sparse calls without any
 
 
 class MLAAttention(torch.nn.Module):
@@ -58,7 +79,8 @@ class MLAAttention(torch.nn.Module):
         self.register_buffer("rope_sin", table.sin)
         self.kernel_backend: Optional[str] = None
         self.attention_backend: Optional[str] = None
-        self._sched: dict = {}
+        # call signature -> _StepPlan; kept (a CUDA graph of a step replays into its metadata's workspaces)
+        self._plans: dict = {}
 
     @property
     def rope(self) -> RopeTable:
@@ -98,6 +120,7 @@ class MLAAttention(torch.nn.Module):
                 layer.b_o.copy_(w("o_proj.bias"))
         return layer
 
+    @torch.no_grad()
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 block_table: torch.Tensor, cache_seqlens: torch.Tensor, *, indices: Optional[torch.Tensor] = None,
                 residual: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -112,35 +135,44 @@ class MLAAttention(torch.nn.Module):
             block_table: ``[b, max_blocks]`` int32; cache_seqlens: ``[b]`` int32, lengths including the new
                 tokens.
             indices: ``[b, s, topk]`` int token positions to attend (DeepSeek Sparse Attention, e.g. an
-                indexer's top-k); ``-1`` and positions after the query's own are skipped. Without indices a
-                bf16 cache is attended densely (causal) and an FP8 cache through every position up to the
-                query's (sparse attention over all of them: FP8 caches are read sparsely).
+                indexer's top-k); ``-1``, positions after the query's own and positions past the block table
+                are skipped. Without indices a bf16 cache is attended densely (causal) and an FP8 cache through
+                every position up to the query's (sparse attention over all of them: FP8 caches are read
+                sparsely).
             residual: ``[b, s, hidden_size]`` added to the output inside the o_proj GEMM.
         Returns:
             ``[b, s, hidden_size]`` in the layer's dtype.
+
+        What a call signature fixes (shapes, dtypes, strides, devices, which optional inputs are given) is
+        checked and planned on its first call (:meth:`_plan`); later calls launch only: on the Triton tier a
+        decode step is five torch GEMMs, three Triton kernels and the attention call.
         """
+        plan = self._plans.get(_signature(hidden_states, positions, kv_cache, block_table, cache_seqlens, indices,
+                                          residual, self.kernel_backend, self.attention_backend))
+        if plan is None:
+            plan = self._plan(hidden_states, positions, kv_cache, block_table, cache_seqlens, indices, residual)
         c, h = self.config, self.config.num_heads
-        self._check(hidden_states, positions, kv_cache, block_table, cache_seqlens, indices, residual)
         b, s, _ = hidden_states.shape
-        t = b * s
+        t, nope = b * s, c.qk_nope_head_dim
         x = hidden_states.reshape(t, c.hidden_size)
         pos = positions.reshape(t)
-        page = kv_cache.shape[1]
-        slots = cache_slots(positions, block_table, page).reshape(t)
+        rope = self.rope
 
         a = F.linear(x, self.w_qkv_a, self.b_qkv_a)
-        q_rank = c.q_lora_rank or 0
-        q_lat = a[:, :q_rank] if q_rank else None
-        q_lat = mla_prolog(a[:, q_rank:], self.kv_norm_weight, c.kv_norm_eps, pos, self.rope, kv_cache, slots,
-                           q_lat=q_lat, q_norm_weight=self.q_norm_weight, q_eps=c.q_norm_eps,
-                           backend=self.kernel_backend)
-        q = F.linear(q_lat if q_rank else x, self.w_q).view(t, h, c.qk_head_dim)
-        q_nope_abs = torch.bmm(q[..., : c.qk_nope_head_dim].transpose(0, 1), self.w_uk)      # [h, t, 512]
-        q_full = assemble_q(q_nope_abs, q[..., c.qk_nope_head_dim:], pos, self.rope, backend=self.kernel_backend)
+        r = c.q_lora_rank or 0
+        q_lat = run_prolog(plan.kernels, plan.fmt, a[:, r:], self.kv_norm_weight, c.kv_norm_eps, pos, rope, kv_cache,
+                           None, block_table, a[:, :r] if r else None, self.q_norm_weight, c.q_norm_eps)
+        q = F.linear(q_lat if r else x, self.w_q).view(t, h, c.qk_head_dim)
+        q_full = torch.empty(t, h, c.d_qk, dtype=x.dtype, device=x.device)
+        # The absorbed q_nope (W_UK per head) goes straight into the query's first 512 columns (cuBLAS writes
+        # the transposed view in place); the assembly then only rotates q_pe into the last 64.
+        torch.bmm(q[..., :nope].transpose(0, 1), self.w_uk, out=q_full[..., :c.kv_lora_rank].transpose(0, 1))
+        run_assemble_q(plan.kernels, None, q[..., nope:], pos, rope, q_full)
 
-        o = self._attend(q_full.view(b, s, h, c.d_qk), kv_cache, block_table, cache_seqlens, positions, indices)
-        o_v = torch.bmm(o.reshape(t, h, c.kv_lora_rank).transpose(0, 1), self.w_uv_t)        # [h, t, v]
-        o_v = o_v.transpose(0, 1).reshape(t, h * c.v_head_dim)
+        o = self._attend(plan, q_full.view(b, s, h, c.d_qk), kv_cache, block_table, cache_seqlens, positions, indices)
+        o_v = torch.empty(t, h * c.v_head_dim, dtype=x.dtype, device=x.device)
+        torch.bmm(o.reshape(t, h, c.kv_lora_rank).transpose(0, 1), self.w_uv_t,
+                  out=o_v.view(t, h, c.v_head_dim).transpose(0, 1))               # [h, t, v] written as [t, h * v]
         if residual is None:
             out = F.linear(o_v, self.w_o, self.b_o)
         else:
@@ -148,35 +180,50 @@ class MLAAttention(torch.nn.Module):
             out = torch.addmm(res if self.b_o is None else res + self.b_o, o_v, self.w_o.t())
         return out.view(b, s, c.hidden_size)
 
-    def _attend(self, q, kv_cache, block_table, cache_seqlens, positions, indices):
+    def _attend(self, plan: "_StepPlan", q, kv_cache, block_table, cache_seqlens, positions, indices):
         """anymla's attention over the cache: dense decoding for a bf16 cache without indices, sparse
         decoding (indices turned into cache slots) otherwise. Returns ``[b, s, h, 512]``."""
         b, s = q.shape[:2]
-        page = kv_cache.shape[1]
-        fmt = detect_format(kv_cache, "kv_cache")
-        if indices is None and fmt is KVCacheFormat.BF16:
-            sched = self._metadata(("dense", b, s, page, fmt))
-            out, _ = api.flash_mla_with_kvcache(q, kv_cache, block_table, cache_seqlens, 512, sched,
+        if not plan.sparse:
+            out, _ = api.flash_mla_with_kvcache(q, kv_cache, block_table, cache_seqlens, 512, plan.sched,
                                                 softmax_scale=self.softmax_scale, causal=s > 1,
                                                 backend=self.attention_backend)
             return out
         if indices is None:
-            capacity = block_table.shape[1] * page
-            indices = torch.arange(capacity, device=q.device, dtype=torch.int32).expand(b, s, capacity)
-        skip = (indices < 0) | (indices > positions[..., None])
-        slots = cache_slots(torch.where(skip, -1, indices), block_table, page)
-        sched = self._metadata(("sparse", b, s, page, fmt, slots.shape[-1]))
-        out, _ = api.flash_mla_with_kvcache(q, kv_cache, None, None, 512, sched, softmax_scale=self.softmax_scale,
-                                            is_fp8_kvcache=fmt.is_quantized, indices=slots,
+            indices = plan.every_position.expand(b, s, -1)
+        slots = run_sparse_slots(plan.kernels, indices, positions, block_table, kv_cache.shape[1])
+        out, _ = api.flash_mla_with_kvcache(q, kv_cache, None, None, 512, plan.sched, softmax_scale=self.softmax_scale,
+                                            is_fp8_kvcache=plan.fmt.is_quantized, indices=slots,
                                             backend=self.attention_backend)
         return out
 
-    def _metadata(self, key):
-        """One scheduling metadata object per call configuration (FlashMLA's reuse rule), so a decode step
-        that runs the same shapes again (and a CUDA graph of it) reuses its plan."""
-        if key not in self._sched:
-            self._sched[key] = get_mla_metadata()[0]
-        return self._sched[key]
+    def _plan(self, hidden_states, positions, kv_cache, block_table, cache_seqlens, indices, residual) -> "_StepPlan":
+        """Check a new call signature and fix what it determines: the cache format, the kernels' implementation
+        and the scheduling metadata (FlashMLA's reuse rule: one object per configuration, so a decode step
+        that runs the same shapes again, and a CUDA graph of it, reuses its plan)."""
+        self._check(hidden_states, positions, kv_cache, block_table, cache_seqlens, indices, residual)
+        fmt = check_prolog_cache(kv_cache)
+        check_block_table(block_table, hidden_states.shape[0], kv_cache.device)
+        if indices is not None:
+            check_slot_inputs(indices, positions, block_table, kv_cache.shape[1])
+        for name, t in (("hidden_states", hidden_states), ("positions", positions), ("cache_seqlens", cache_seqlens),
+                        ("residual", residual)):
+            if t is not None and t.device != kv_cache.device:
+                raise ValueError(f"{name}: expected a tensor on {kv_cache.device} (the cache's device), got {t.device}")
+        if self.w_o.device != kv_cache.device:
+            raise ValueError(f"kv_cache: expected a tensor on the layer's device {self.w_o.device}, got "
+                             f"{kv_cache.device}")
+        sparse = indices is not None or fmt is not KVCacheFormat.BF16
+        every_position = None
+        if sparse and indices is None:
+            every_position = torch.arange(block_table.shape[1] * kv_cache.shape[1], dtype=torch.int32,
+                                          device=kv_cache.device)
+        plan = _StepPlan(fmt, kernels.choose(kv_cache.device, self.kernel_backend)[0], sparse, get_mla_metadata()[0],
+                         every_position)
+        key = _signature(hidden_states, positions, kv_cache, block_table, cache_seqlens, indices, residual,
+                         self.kernel_backend, self.attention_backend)
+        self._plans[key] = plan
+        return plan
 
     def _check(self, hidden_states, positions, kv_cache, block_table, cache_seqlens, indices, residual):
         c = self.config

@@ -31,14 +31,18 @@ GPU_TILE = (4, 4)
 GPU_WRITER_TILE = (4, 2)
 
 # Launchers by kernel, warps and every argument that is not a tensor (with the tensors' dtypes and device):
-# Triton specializes on integer values (1, multiples of 16), a Launcher only on pointer alignment.
+# Triton specializes on integer values (1, multiples of 16), a Launcher only on pointer alignment. Bounded:
+# prefills of ever new lengths would add one each.
 _LAUNCHERS: dict = {}
+_LAUNCHER_LIMIT = 4096
 
 
 def _launch(kernel, grid: tuple, args: list, num_warps: int, device: torch.device) -> None:
     key = (kernel, num_warps, device) + tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args)
     launcher = _LAUNCHERS.get(key)
     if launcher is None:
+        if len(_LAUNCHERS) >= _LAUNCHER_LIMIT:
+            _LAUNCHERS.clear()
         launcher = _LAUNCHERS[key] = Launcher(kernel, num_warps=num_warps)
     launcher(grid + (1,) * (3 - len(grid)), args)
 
