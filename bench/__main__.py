@@ -5,6 +5,8 @@ timed against the device's own ceilings.
     python -m anymla.bench --suite canonical      # the three kernel issues' canonical shapes
     python -m anymla.bench --shape 'dense_decode:b=4,h_q=16,s_k=1024' --baseline reference --target triton
     python -m anymla.bench --list                 # suites, shapes and backends
+    python -m anymla.bench --suite canonical --portable   # stand-in: the Hopper kernels off (what other GPUs run)
+    python -m anymla.bench --suite canonical --mma-sync   # stand-in: those, with tl.dot as mma.sync (Ampere-class)
 
 Writes ``results.csv`` (long format), one ``<suite>.png`` per suite and ``summary.md`` into ``--out``, then
 prints the table. Exits 1 when a backend was wrong or failed on some shape.
@@ -12,6 +14,7 @@ prints the table. Exits 1 when a backend was wrong or failed on some shape.
 
 import importlib.util
 import os
+import sys
 
 
 def _accelerator_present() -> bool:
@@ -30,8 +33,15 @@ def _accelerator_present() -> bool:
 if "TRITON_INTERPRET" not in os.environ and not _accelerator_present():
     os.environ["TRITON_INTERPRET"] = "1"
 
+# --mma-sync: Triton lowers tl.dot to mma.sync where DISABLE_MMA_V3 is set. Set it here, before anything imports
+# triton, so that no part of the run sees Triton without it (the variable is part of Triton's cache key: no
+# wgmma build is reused). main() checks that it was.
+MMA_SYNC_FLAG = "--mma-sync"
+if MMA_SYNC_FLAG in sys.argv[1:]:
+    os.environ["DISABLE_MMA_V3"] = "1"
+
 import argparse  # noqa: E402
-import sys  # noqa: E402
+import contextlib  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -78,6 +88,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="torch device to run on (default: cuda, else npu, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: %(default)s)")
     p.add_argument("--list", action="store_true", help="list suites, their shapes and the backends, then exit")
+    p.add_argument("--portable", action="store_true",
+                   help="stand-in for the GPUs without Hopper's kernels: the Triton tier runs its portable kernels "
+                        "only (tuning.forced(warp_specialized=False)); every row says so")
+    p.add_argument(MMA_SYNC_FLAG, action="store_true",
+                   help="stand-in for Ampere/Ada-class code: DISABLE_MMA_V3=1 (set before triton is imported), so "
+                        "Triton lowers tl.dot to mma.sync instead of wgmma; implies --portable (the Hopper kernels "
+                        "issue wgmma themselves); every row says so")
     return p
 
 
@@ -132,10 +149,26 @@ def _default_ab(backends: list[str]):
     return (runner.REFERENCE, others[0]) if runner.REFERENCE in backends and others else None
 
 
+def _stand_in(args):
+    """The scope of a --portable/--mma-sync run (the Hopper kernels off), or of a plain run."""
+    if args.mma_sync and not machine.mma_v3_disabled():
+        raise SystemExit(f"python -m anymla.bench: {MMA_SYNC_FLAG} must be on the command line of "
+                         "python -m anymla.bench (it sets DISABLE_MMA_V3=1 before triton is imported), or set "
+                         "DISABLE_MMA_V3=1 in the environment yourself")
+    if args.tune and (args.portable or args.mma_sync):
+        raise SystemExit("python -m anymla.bench: --tune records the shipped path's fastest backends; a stand-in's "
+                         "timings are not theirs (drop --portable / --mma-sync)")
+    if not (args.portable or args.mma_sync):
+        return contextlib.nullcontext()
+    from anymla.triton_kernels import tuning
+    return tuning.forced(warp_specialized=False)
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if (args.baseline is None) != (args.target is None):
         raise SystemExit("--baseline and --target go together")
+    stand_in = _stand_in(args)
     device = torch.device(args.device) if args.device else default_device()
     if args.list:
         _print_list(device)
@@ -146,13 +179,15 @@ def main(argv=None) -> int:
     except ValueError as err:
         raise SystemExit(f"python -m anymla.bench: {err}") from None
     timer = Timer(device, args.reps or (3 if device.type == "cpu" else 100))
-    info = machine.describe(device)
+    info = machine.describe(device, portable=args.portable or args.mma_sync)
     skipped = [n for n in anymla.registered_backends() if n not in backends and not args.backends]
     print(f"anymla.bench: {len(plan)} shapes x {', '.join(backends)} on {device} ({info.device_name})"
-          + (f"; not available here: {', '.join(skipped)} (why: --list)" if skipped else ""), flush=True)
+          + (f"; not available here: {', '.join(skipped)} (why: --list)" if skipped else "")
+          + (f"; stand-in: {info.stand_in}" if info.stand_in else ""), flush=True)
     ceilings = measure_ceilings(device, timer)
     scale = runner.INTERPRETER_TOLERANCE_SCALE if info.interpreter else 1.0
-    outcomes = runner.run(plan, backends, timer, tolerance_scale=scale, seed=args.seed)
+    with stand_in:
+        outcomes = runner.run(plan, backends, timer, tolerance_scale=scale, seed=args.seed)
     ceilings = better(ceilings, measure_ceilings(device, timer))
 
     ab = (args.baseline, args.target) if args.baseline else _default_ab(backends)

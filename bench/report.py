@@ -11,12 +11,12 @@ from typing import Optional
 
 from . import anchors, model
 from .ceilings import Ceilings
-from .machine import RunInfo
+from .machine import STAND_INS, RunInfo
 from .runner import OK, CaseOutcome
 
 TRITON_TIER = "triton"
-COLUMNS = ("timestamp", "device", "device_name", "torch", "triton", "anymla", "suite", "case", "op", "shape",
-           "backend", "status", "note", "timer", "median_us", "p20_us", "p80_us", "reps", "eager_us", "host_us",
+COLUMNS = ("timestamp", "device", "device_name", "torch", "triton", "anymla", "stand_in", "suite", "case", "op",
+           "shape", "backend", "status", "note", "timer", "median_us", "p20_us", "p80_us", "reps", "eager_us", "host_us",
            "flops", "bytes",
            "tflops", "gbps", "floor_us", "bound", "frac_of_floor", "copy_gbps", "matmul_tflops", "ratio_to_matmul",
            "ratio_to_copy", "dispatcher_choice", "fastest", "anchor_flashmla_us", "anchor_triton",
@@ -31,6 +31,8 @@ def _note(result, info: RunInfo) -> str:
         parts.append(result.timing.note)
         if info.interpreter and result.backend == TRITON_TIER:
             parts.insert(0, "Triton interpreter timing")
+    if info.stand_in and result.backend == TRITON_TIER:
+        parts.insert(0, f"stand-in {info.stand_in}, not the shipped path")
     return "; ".join(filter(None, parts))
 
 
@@ -166,6 +168,10 @@ def header_lines(info: RunInfo, ceilings: Ceilings) -> list[str]:
     if info.interpreter:
         lines.append("NOTE: on the CPU the Triton tier runs in Triton's interpreter: its times are interpreter "
                      "times, not kernel performance")
+    if info.stand_in:
+        what = "; ".join(STAND_INS[name] for name in info.stand_in.split("+"))
+        lines.append(f"NOTE: stand-in run ({info.stand_in}), not the shipped path: {what}. The matmul ceiling is "
+                     "torch.mm's, which neither setting changes")
     return lines
 
 

@@ -228,3 +228,92 @@ def test_cli_quick_suite_end_to_end(tmp_path):
         rows = list(csv.DictReader(f))
     assert len(rows) == (len(suites.suite_cases("quick")) + 1) * 2
     assert (out / "quick.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---------------------------------------------------------------- stand-ins (--portable, --mma-sync)
+
+TINY_SHAPE = "dense_decode:b=1,h_q=16,s_k=64"
+
+
+def _cli_run(monkeypatch, tmp_path, *flags):
+    """bench's main() in this process on a tiny shape; returns (the forced warp-specialized setting inside
+    runner.run, the CSV rows, the summary)."""
+    from anymla.bench import __main__ as cli
+    from anymla.triton_kernels import tuning
+    inside = []
+    real_run = runner.run
+
+    def spy(*args, **kwargs):
+        inside.append(tuning.forced_warp_specialized())
+        return real_run(*args, **kwargs)
+    monkeypatch.setattr(runner, "run", spy)
+    out = tmp_path / "out"
+    assert cli.main(["--device", "cpu", "--backends", "reference,triton", "--shape", TINY_SHAPE, "--reps", "1",
+                     "--out", str(out), *flags]) == 0
+    assert tuning.forced_warp_specialized() is None, "the setting must not outlive the run"
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    return inside, rows, (out / "summary.md").read_text()
+
+
+def test_a_plain_run_is_marked_as_the_shipped_path(monkeypatch, tmp_path):
+    monkeypatch.delenv("DISABLE_MMA_V3", raising=False)
+    inside, rows, summary = _cli_run(monkeypatch, tmp_path)
+    assert inside == [None]
+    assert {r["stand_in"] for r in rows} == {""} and "stand-in" not in summary
+
+
+def test_portable_switches_the_hopper_kernels_off_inside_the_run_and_says_so_in_every_row(monkeypatch, tmp_path):
+    monkeypatch.delenv("DISABLE_MMA_V3", raising=False)
+    inside, rows, summary = _cli_run(monkeypatch, tmp_path, "--portable")
+    assert inside == [False]
+    assert len(rows) == 2 and {r["stand_in"] for r in rows} == {"portable"}
+    triton_row, = [r for r in rows if r["backend"] == "triton"]
+    assert triton_row["note"].startswith("stand-in portable, not the shipped path")
+    assert "NOTE: stand-in run (portable), not the shipped path: the Hopper kernels switched off" in summary
+
+
+def test_mma_sync_implies_portable_and_needs_the_variable_set_before_triton(monkeypatch, tmp_path):
+    """From Python (main(argv)) --mma-sync can no longer set DISABLE_MMA_V3 before triton is imported: refused
+    unless the environment has it; with it, the run is both stand-ins, and --tune is refused for either."""
+    from anymla.bench import __main__ as cli
+    monkeypatch.delenv("DISABLE_MMA_V3", raising=False)
+    with pytest.raises(SystemExit, match="--mma-sync must be on the command line"):
+        cli.main(["--mma-sync", "--list"])
+    monkeypatch.setenv("DISABLE_MMA_V3", "1")
+    inside, rows, summary = _cli_run(monkeypatch, tmp_path, "--mma-sync")
+    assert inside == [False] and {r["stand_in"] for r in rows} == {"portable+mma.sync"}
+    assert "DISABLE_MMA_V3=1: Triton lowers tl.dot to mma.sync" in summary
+    for flag in ("--portable", "--mma-sync"):
+        with pytest.raises(SystemExit, match="--tune records the shipped path"):
+            cli.main([flag, "--tune", str(tmp_path / "t.json"), "--list"])
+
+
+_WATCH_TRITON_IMPORT = """
+import importlib.abc, os, runpy, sys
+seen = {}
+class Watch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "triton" and "triton" not in seen:
+            seen["triton"] = os.environ.get("DISABLE_MMA_V3")
+sys.meta_path.insert(0, Watch())
+sys.argv = ["anymla.bench"] + sys.argv[1:]
+try:
+    runpy.run_module("anymla.bench", run_name="__main__")
+except SystemExit as done:
+    assert not done.code, done.code
+print("DISABLE_MMA_V3 when triton was imported:", seen.get("triton", "never imported"))
+"""
+
+
+def test_mma_sync_on_the_command_line_sets_disable_mma_v3_before_triton_is_imported(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "DISABLE_MMA_V3"}
+    env["TRITON_INTERPRET"] = "1"
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-c", _WATCH_TRITON_IMPORT, "--mma-sync", "--device", "cpu", "--backends",
+                           "reference,triton", "--shape", TINY_SHAPE, "--reps", "1", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert "DISABLE_MMA_V3 when triton was imported: 1" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "stand-in: portable+mma.sync" in done.stdout
+    with open(out / "results.csv") as f:
+        assert {r["stand_in"] for r in csv.DictReader(f)} == {"portable+mma.sync"}
