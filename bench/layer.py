@@ -3,14 +3,21 @@ writer on a prefill-sized write.
 
     python -m anymla.bench.layer --out DIR          # on a GPU: b 128, s_k 8192, h_q 128 and 16
     python -m anymla.bench.layer --out DIR --small  # tiny shapes (a CPU smoke run; the interpreter there)
+    TRITON_INTERPRET=1 python -m anymla.bench.layer --host   # the layer's own host work per decode step
 
 Layer rows, per head count and cache (bf16: dense decoding; V3.2 FP8: DSA with topk 2048): the layer
 (:class:`anymla.layers.MLAAttention`), each of its parts timed alone (its GEMMs and bmms as torch runs them,
 and the attention call), their sum, and the same math as plain eager torch ops
 (:func:`anymla.layers.mla_forward_eager`). Writer rows: :func:`anymla.layers.write_cache` at 64k tokens per
 format, in bytes read + written per second against the same run's copy bandwidth. Everything is timed both
-as eager launches and as a CUDA-graph replay (where capturable), after a correctness check. Issue targets:
-layer <= 1.15x the sum of its parts, >= 2x faster than eager torch; writer >= 0.6x copy bandwidth.
+as eager launches and as a CUDA-graph replay (where capturable), after a correctness check, with the host's
+time to enqueue one eager call (``host_us``) on accelerators. Issue targets: layer <= 1.15x the sum of its
+parts, >= 2x faster than eager torch; writer >= 0.6x copy bandwidth.
+
+``--host`` times the layer's own host work on any machine: a decode step of a tiny layer on the Triton
+tier's path (on a CPU under TRITON_INTERPRET=1) with every Triton kernel's execution and the attention call
+replaced by no-ops, so what remains is the Python glue and torch's dispatch of the GEMMs (thread CPU time).
+What the replaced launches cost on a GPU's host is the ``host_us`` of the layer rows.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import argparse
 import csv
 import math
 import os
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -80,16 +89,17 @@ def _graphed(fn: Callable[[], object]) -> Callable[[], object]:
     return graph.replay
 
 
-def time_both(timer: Timer, fn: Callable[[], object]) -> tuple[float, float, str]:
-    """(eager µs, graph µs or nan, note) of ``fn``."""
-    eager = timer.measure(fn, graph=False).median_us
+def time_both(timer: Timer, fn: Callable[[], object]) -> tuple[float, float, float, str]:
+    """(eager µs, graph µs or nan, host µs to enqueue one eager call or nan, note) of ``fn``."""
+    timing = timer.measure(fn, graph=False)
+    eager, host = timing.median_us, timing.host_us
     if timer.device.type != "cuda":
-        return eager, math.nan, "no CUDA graphs on this device"
+        return eager, math.nan, host, "no CUDA graphs on this device"
     try:
-        return eager, timer.measure(_graphed(fn), graph=False).median_us, ""
+        return eager, timer.measure(_graphed(fn), graph=False).median_us, host, ""
     except RuntimeError as err:
         torch.cuda.synchronize()
-        return eager, math.nan, f"not graph-capturable: {str(err).splitlines()[0][:70]}"
+        return eager, math.nan, host, f"not graph-capturable: {str(err).splitlines()[0][:70]}"
 
 
 def _random_layer(case: LayerCase, device, g: torch.Generator) -> MLAAttention:
@@ -172,9 +182,9 @@ def bench_layer(case: LayerCase, timer: Timer, device) -> list[dict]:
 
     def row(component: str, fn) -> dict:
         with torch.no_grad():
-            eager, graph, note = time_both(timer, fn)
+            eager, graph, host, note = time_both(timer, fn)
         rows.append(dict(group="layer", case=case.name, component=component, eager_us=eager, graph_us=graph,
-                         note="; ".join(filter(None, (check, note)))))
+                         host_us=host, note="; ".join(filter(None, (check, note)))))
         return rows[-1]
 
     layer_row = row("layer", lambda: layer(**inp))
@@ -214,27 +224,80 @@ def bench_writer(fmt: KVCacheFormat, tokens: int, timer: Timer, device, copy_gbp
     rows = []
     variants = [("write_cache", lambda: write_cache(ours, latent, slots)),
                 ("torch reference", lambda: write_cache_reference(ref, latent, slots))]
-    if device.type == "cuda":  # the shipped tile (launch.GPU_TILE) against its neighbours
+    if device.type == "cuda":  # the shipped tile (launch.GPU_WRITER_TILE) against its neighbours
         from anymla.triton_kernels.cache_write import launch
         for tile in WRITER_TILES:
             variants.append((f"tile {tile[0]} tokens x {tile[1]} warps",
                              lambda tile=tile: launch.write_rows(ours, fmt, latent, slots, tile)))
     for component, fn in variants:
-        eager, graph, note = time_both(timer, fn)
+        eager, graph, host, note = time_both(timer, fn)
         best = eager if math.isnan(graph) else min(eager, graph)
         gbps = moved / (best * 1e-6) / 1e9
         rows.append(dict(group="writer", case=f"{fmt.name} {tokens} tokens", component=component, eager_us=eager,
-                         graph_us=graph, gbps=gbps, vs_copy=gbps / copy_gbps,
+                         graph_us=graph, host_us=host, gbps=gbps, vs_copy=gbps / copy_gbps,
                          note="; ".join(filter(None, (check, note)))))
     if not same:
         raise RuntimeError(f"write_cache {fmt.name}: {check}")
     return rows
 
 
-# Writer tiles (tokens per program, warps) timed next to the shipped one on GPUs.
-WRITER_TILES = ((2, 2), (4, 2), (8, 4), (8, 8))
+class _NoKernel:
+    """A Triton kernel whose launches do nothing (``--host``)."""
 
-COLUMNS = ["group", "case", "component", "eager_us", "graph_us", "vs_parts_eager", "vs_parts_graph",
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _no_attention(q, *args, **kwargs):
+    return torch.empty(*q.shape[:3], 512, dtype=q.dtype, device=q.device), None
+
+
+def host_glue(device, steps: int = 100, rounds: int = 15) -> list[dict]:
+    """The layer's own host work per decode step (see the module docstring): a tiny layer (2 requests, 2 heads,
+    hidden 32), bf16 dense and V3.2 FP8 with DSA indices, median over ``rounds`` of ``steps`` steps."""
+    from unittest import mock
+
+    from anymla.triton_kernels.cache_write import kernel as cw_kernel, launch
+    from anymla.layers import kernels
+    name, why = kernels.choose(device)
+    if name != "triton":
+        raise RuntimeError(f"--host times the Triton tier's path, which does not run here: {why}")
+    cfg = MLAConfig(hidden_size=32, num_heads=2, q_lora_rank=16, qk_nope_head_dim=16, v_head_dim=16,
+                    max_position_embeddings=64)
+    stubs = {n: _NoKernel() for n in dir(launch) if isinstance(getattr(launch, n), type(cw_kernel.cache_write_kernel))}
+    rows = []
+    for fmt in (KVCacheFormat.BF16, KVCacheFormat.V32_FP8):
+        layer = MLAAttention(cfg, device=device)
+        for _, buf in layer.named_buffers():
+            buf.normal_()
+        pos = torch.tensor([[40], [50]], device=device)
+        cache = (torch.zeros(8, 16, 1, 576, dtype=torch.bfloat16, device=device) if fmt is KVCacheFormat.BF16
+                 else torch.zeros(8, 16, 1, 656, dtype=torch.uint8, device=device))
+        inp = dict(hidden_states=torch.randn(2, 1, 32, device=device).bfloat16(), positions=pos, kv_cache=cache,
+                   block_table=torch.arange(8, dtype=torch.int32, device=device).view(2, 4),
+                   cache_seqlens=(pos[:, 0] + 1).int(), residual=torch.randn(2, 1, 32, device=device).bfloat16(),
+                   indices=None if fmt is KVCacheFormat.BF16 else torch.randint(0, 40, (2, 1, 16), device=device))
+        per_step = []
+        with mock.patch.object(anymla.api, "flash_mla_with_kvcache", _no_attention), \
+                mock.patch.multiple(launch, **stubs):
+            for _ in range(20):
+                layer(**inp)
+            for _ in range(rounds):
+                t0 = time.thread_time()
+                for _ in range(steps):
+                    layer(**inp)
+                per_step.append((time.thread_time() - t0) * 1e6 / steps)
+        case = f"{fmt.name}{' topk 16' if inp['indices'] is not None else ' dense'}"
+        rows.append(dict(group="host", case=case, component="layer glue (kernels, attention: no-ops)",
+                         host_us=statistics.median(per_step), note=f"thread CPU time, {device.type}"))
+        print(f"host glue {case}: {rows[-1]['host_us']:.1f} µs per decode step (min {min(per_step):.1f})")
+    return rows
+
+
+# Writer tiles (tokens per program, warps) timed next to the shipped one (4, 2) on GPUs.
+WRITER_TILES = ((2, 2), (4, 4), (8, 4), (8, 8))
+
+COLUMNS = ["group", "case", "component", "eager_us", "graph_us", "host_us", "vs_parts_eager", "vs_parts_graph",
            "eager_torch_speedup_eager", "eager_torch_speedup_graph", "gbps", "vs_copy", "note"]
 
 
@@ -245,7 +308,7 @@ def _fmt(v) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    shown = ["case", "component", "eager_us", "graph_us", "vs_parts_eager", "vs_parts_graph",
+    shown = ["case", "component", "eager_us", "graph_us", "host_us", "vs_parts_eager", "vs_parts_graph",
              "eager_torch_speedup_eager", "gbps", "vs_copy"]
     cells = [[_fmt(r.get(k)) for k in shown] for r in rows]
     widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(shown)]
@@ -260,8 +323,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per call (default 50, --small 2)")
     ap.add_argument("--writer-tokens", type=int, default=None, help="tokens per writer call (default 65536)")
+    ap.add_argument("--host", action="store_true", help="only the layer's own host work per decode step")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.host:
+        return host_glue(device)
     info = describe(device)
     timer = Timer(device, args.reps or (2 if args.small else 50))
     ceilings = measure_ceilings(device, timer)
