@@ -16,8 +16,8 @@ from .runner import OK, CaseOutcome
 
 TRITON_TIER = "triton"
 COLUMNS = ("timestamp", "device", "device_name", "torch", "triton", "anymla", "stand_in", "suite", "case", "op",
-           "shape", "backend", "status", "note", "timer", "median_us", "p20_us", "p80_us", "reps", "eager_us", "host_us",
-           "flops", "bytes",
+           "shape", "backend", "status", "note", "timer", "median_us", "p20_us", "p80_us", "reps", "eager_us",
+           "host_us", "flops", "bytes",
            "tflops", "gbps", "floor_us", "bound", "frac_of_floor", "copy_gbps", "matmul_tflops", "ratio_to_matmul",
            "ratio_to_copy", "dispatcher_choice", "fastest", "anchor_flashmla_us", "anchor_triton",
            "anchor_triton_us")
