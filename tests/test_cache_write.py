@@ -203,7 +203,7 @@ def test_sparse_slots_drop_what_a_query_may_not_attend(impl, dtype):
         pytest.skip(kernels.choose(DEVICE)[1])
     g = torch.Generator().manual_seed(5)
     b, s, topk, page, max_blocks = 3, 2, 37, 4, 5
-    table = torch.randperm(40, generator=g)[: b * max_blocks].view(b, max_blocks).int()
+    table = torch.randperm(40, generator=g)[: 2 * b * max_blocks].view(b, 2 * max_blocks).int()[:, ::2]  # strided
     positions = torch.tensor([[5, 6], [18, 19], [0, 1]])
     wide = torch.randint(-3, max_blocks * page + 6, (b, s, 2 * topk), generator=g)
     wide[..., 0] = -1
@@ -239,7 +239,7 @@ def test_prolog_takes_slots_from_the_block_table(fmt, impl):
     a = (torch.randn(b * s, 24 + 576, generator=g) * 3).bfloat16().to(DEVICE)
     q_w = (1 + 0.2 * torch.randn(24, generator=g)).bfloat16().to(DEVICE)
     w = (1 + 0.2 * torch.randn(512, generator=g)).bfloat16().to(DEVICE)
-    table = torch.randperm(nb, generator=g)[: b * 2].view(b, 2).int().to(DEVICE)
+    table = torch.randperm(nb, generator=g)[: b * 2].view(2, b).t().int().to(DEVICE)  # a transposed view
     positions = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [5, 6, 7, 8]], device=DEVICE)  # 8: past the table
     expect_slots = kvcache.cache_slots(positions.clamp(max=7), table, page).view(-1)
     expect_slots[-1] = -1

@@ -184,12 +184,12 @@ def store_fp4_tiles(cache_ptr, row_at, scale_at, x_even, x_odd, mask):
 
 
 @triton.jit
-def table_slots(table_ptr, table_stride, req, p, ok, page_size, max_blocks):
+def table_slots(table_ptr, table_s_b, table_s_k, req, p, ok, page_size, max_blocks):
     """Cache slots ``block_table[req, p // page_size] * page_size + p % page_size`` of token positions ``p``
     (int tensors of one shape), -1 where ``ok`` is false, ``p < 0`` or ``p`` lies past the block table."""
     ok = ok & (p >= 0) & (p < max_blocks * page_size)
-    q = tl.where(ok, p, 0)
-    blk = tl.load(table_ptr + req.to(tl.int64) * table_stride + q // page_size, mask=ok, other=0)
+    q = tl.where(ok, p, 0).to(tl.int32)  # < 2^31 now: a 32-bit division
+    blk = tl.load(table_ptr + req.to(tl.int64) * table_s_b + (q // page_size) * table_s_k, mask=ok, other=0)
     return tl.where(ok, blk * page_size + q % page_size, -1)
 
 
@@ -306,7 +306,7 @@ def rms_normed(x, w, eps, N: tl.constexpr, OUT_TY: tl.constexpr):
 def mla_prolog_kernel(kv_ptr, kv_stride, kv_w_ptr, kv_eps,
                       q_ptr, q_stride, q_w_ptr, q_eps, q_out_ptr, q_out_stride,
                       pos_ptr, cos_ptr, sin_ptr, table_stride,
-                      slots_ptr, bt_ptr, bt_stride, tokens_per_req, max_blocks,
+                      slots_ptr, bt_ptr, bt_s_b, bt_s_k, tokens_per_req, max_blocks,
                       cache_ptr, n_tokens, capacity, page_size, block_stride, token_stride,
                       FMT: tl.constexpr, ROPE_STYLE: tl.constexpr, Q_RANK: tl.constexpr,
                       Q_BLOCK: tl.constexpr, SLOTS_FROM_TABLE: tl.constexpr, NATIVE_FP8: tl.constexpr,
@@ -321,27 +321,28 @@ def mla_prolog_kernel(kv_ptr, kv_stride, kv_w_ptr, kv_eps,
     live = tok < n_tokens
     tok64 = tok.to(tl.int64)
     OUT_TY: tl.constexpr = kv_ptr.dtype.element_ty
-    # the kv latent before the q latent: the other order holds 144 registers on sm_90 instead of 95
+    # The kv latent before the q latent and the slots just before the stores (the rows load for every live
+    # token): other orders hold up to 144 registers on sm_90 or spill on sm_80.
     pos = tl.load(pos_ptr + tok, mask=live, other=0)
-    if SLOTS_FROM_TABLE:
-        slot = table_slots(bt_ptr, bt_stride, tok // tokens_per_req, pos, live, page_size, max_blocks)
-    else:
-        slot = tl.load(slots_ptr + tok, mask=live, other=-1)
-    valid, row_at, scale_at = slot_addresses(slot, live, capacity, page_size, block_stride, token_stride, FMT)
     src = kv_ptr + tok64 * kv_stride
     j = tl.arange(0, 512)
-    x = tl.load(src[:, None] + j[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    x = tl.load(src[:, None] + j[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     lat = rms_normed(x, tl.load(kv_w_ptr + j).to(tl.float32), kv_eps, 512, OUT_TY)
 
     ia, ib = rope_index(ROPE_STYLE)
-    pos = pos.to(tl.int64)
+    pos64 = pos.to(tl.int64)
     i = tl.arange(0, 32)
-    cos = tl.load(cos_ptr + pos[:, None] * table_stride + i[None, :], mask=valid[:, None], other=0.0)
-    sin = tl.load(sin_ptr + pos[:, None] * table_stride + i[None, :], mask=valid[:, None], other=0.0)
-    a = tl.load(src[:, None] + 512 + ia[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-    b = tl.load(src[:, None] + 512 + ib[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + pos64[:, None] * table_stride + i[None, :], mask=live[:, None], other=0.0)
+    sin = tl.load(sin_ptr + pos64[:, None] * table_stride + i[None, :], mask=live[:, None], other=0.0)
+    a = tl.load(src[:, None] + 512 + ia[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    b = tl.load(src[:, None] + 512 + ib[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     ra, rb = rope_pairs(a, b, cos, sin)
 
+    if SLOTS_FROM_TABLE:
+        slot = table_slots(bt_ptr, bt_s_b, bt_s_k, tok // tokens_per_req, pos, live, page_size, max_blocks)
+    else:
+        slot = tl.load(slots_ptr + tok, mask=live, other=-1)
+    valid, row_at, scale_at = slot_addresses(slot, live, capacity, page_size, block_stride, token_stride, FMT)
     if FMT == FMT_BF16:
         ty = cache_ptr.dtype.element_ty
         tl.store(cache_ptr + row_at[:, None] + j[None, :], round_to(lat, ty), mask=valid[:, None])
@@ -397,7 +398,7 @@ def q_assemble_kernel(qn_ptr, qn_s_h, qn_s_t, qpe_ptr, qpe_s_t, qpe_s_h,
 
 
 @triton.jit
-def sparse_slots_kernel(idx_ptr, idx_s_b, idx_s_s, idx_s_k, pos_ptr, pos_s_b, pos_s_s, bt_ptr, bt_stride,
+def sparse_slots_kernel(idx_ptr, idx_s_b, idx_s_s, idx_s_k, pos_ptr, pos_s_b, pos_s_s, bt_ptr, bt_s_b, bt_s_k,
                         out_ptr, s_q, topk, max_blocks, page_size, BLOCK_K: tl.constexpr):
     """The cache slots of one query's DSA indices (token positions): ``out [b * s_q, topk]`` int32 holds
     ``block_table[i, p // page] * page + p % page`` for ``p = indices[i, j, k]``, or -1 where ``p < 0``,
@@ -409,5 +410,5 @@ def sparse_slots_kernel(idx_ptr, idx_s_b, idx_s_s, idx_s_k, pos_ptr, pos_s_b, po
     live = k < topk
     pos = tl.load(pos_ptr + i.to(tl.int64) * pos_s_b + j * pos_s_s)
     p = tl.load(idx_ptr + i.to(tl.int64) * idx_s_b + j.to(tl.int64) * idx_s_s + k * idx_s_k, mask=live, other=-1)
-    slot = table_slots(bt_ptr, bt_stride, i, p, live & (p <= pos), page_size, max_blocks)
+    slot = table_slots(bt_ptr, bt_s_b, bt_s_k, i, p, live & (p <= pos), page_size, max_blocks)
     tl.store(out_ptr + row.to(tl.int64) * topk + k, slot.to(tl.int32), mask=live)

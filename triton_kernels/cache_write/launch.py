@@ -102,8 +102,8 @@ def mla_prolog(kv_a: torch.Tensor, kv_weight: torch.Tensor, kv_eps: float, q_lat
     q_args = [kv_a, 0, kv_weight, 0.0, kv_a, 0] if q_lat is None else [q_lat, q_lat.stride(0), q_weight, q_eps,
                                                                         q_out, q_out.stride(0)]
     from_table = slots is None
-    table_args = ([None, block_table, block_table.stride(0), n // block_table.shape[0], block_table.shape[1]]
-                  if from_table else [slots, None, 0, 1, 0])
+    table_args = ([None, block_table, *block_table.stride(), n // block_table.shape[0], block_table.shape[1]]
+                  if from_table else [slots, None, 0, 0, 1, 0])
     bt, warps = _tile()
     _launch(mla_prolog_kernel, (_cdiv(n, bt),),
             [kv_a, kv_a.stride(0), kv_weight, kv_eps, *q_args, positions, cos, sin, cos.stride(0), *table_args,
@@ -138,5 +138,5 @@ def sparse_slots(indices: torch.Tensor, positions: torch.Tensor, block_table: to
     block_k = min(1024, _pow2(topk))
     _launch(sparse_slots_kernel, (b * s, _cdiv(topk, block_k)),
             [indices, indices.stride(0), indices.stride(1), indices.stride(2), positions, positions.stride(0),
-             positions.stride(1), block_table, block_table.stride(0), out, s, topk, block_table.shape[1], page_size,
+             positions.stride(1), block_table, *block_table.stride(), out, s, topk, block_table.shape[1], page_size,
              block_k], 4, out.device)
