@@ -65,7 +65,7 @@ class Launcher:
         self.options = options
         self._pointers = None  # positions of the tensor arguments (fixed by the plan's signature)
         self._compiled = {}  # alignment pattern -> Triton's compiled kernel
-        self._template = None  # the first bound call's arguments
+        self._template = None  # the plan's argument list, its per-call slots emptied
         self._slots = ()  # where a call's own values go in them
 
     def bind(self, grid: tuple, values: tuple, full) -> None:
