@@ -62,7 +62,8 @@ def dense_decode_hopper_kernel(
     ], [4, 4], [REGS, REGS])
 
 
-@gluon.jit
+# s_kv only bounds the indices: a new number of kv rows reuses the compiled kernel.
+@gluon.jit(do_not_specialize=["s_kv"])
 def sparse_prefill_hopper_kernel(
         q_ptr, sq_t, sq_h, kv_ptr, skv_r, s_kv, idx_ptr, si_t, topk, len_ptr, sink_ptr,
         out_ptr, so_t, so_h, lse_ptr, max_ptr, h_q, hb_per_token, scale_log2,

@@ -51,8 +51,9 @@ def _attend_source(q, qr, idx_row_ptr, n_keys, blk_begin, blk_end, kv_ptr, strid
     return m_run, m_use, l, acc
 
 
-# The split count changes with the batch size: not specialized on, so a new batch size reuses the compiled kernel.
-@triton.jit(do_not_specialize=["num_splits"])
+# What changes from call to call without changing the code is not specialized on, so a new batch size (split
+# count) or, in prefill, a new number of kv rows (kv is then one page of s_kv rows) reuses the compiled kernel.
+@triton.jit(do_not_specialize=["num_splits", "kv_page", "kv_rows", "x_page", "x_rows"])
 def sparse_mla_kernel(
         q_ptr, sq_t, sq_h,
         idx_ptr, si_t, si_g, topk, len_ptr, LEN_DIV,
