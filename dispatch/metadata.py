@@ -48,7 +48,9 @@ class FlashMLASchedMeta:
             self.config = config
             self.have_initialized = True
             return
-        if self.config != config:
+        # A decision carries one Config object per call signature: the identity test spares each decode call
+        # the field-by-field comparison.
+        if self.config is not config and self.config != config:
             diffs = [f"{f.name} {getattr(self.config, f.name)!r} -> {getattr(config, f.name)!r}"
                      for f in dataclasses.fields(config) if getattr(self.config, f.name) != getattr(config, f.name)]
             raise ValueError("tile_scheduler_metadata: this FlashMLASchedMeta was initialised for another "
