@@ -10,6 +10,8 @@
 #   sweep     the harness's tile sweep ($SWEEP_SUITE, default tp; $SWEEP_CASES: case names, default all)
 #   bench     python -m anymla.bench ($BENCH_ARGS, default --suite canonical --suite tp), FlashMLA included
 #   layer     python -m anymla.bench.layer
+#   ncu       Nsight Compute on one kernel launch of each of $NCU_CASES (cases of $NCU_SUITE, default tp; kernels
+#             matching $NCU_KERNEL; $NCU_ARGS passed on to bench.profile_case, e.g. --portable)
 # Makes `anymla` importable without pip (the folders map onto the package as in pyproject.toml) and leaves logs
 # and CSVs in $OUT (default ./device_out).
 set -uo pipefail
@@ -48,6 +50,17 @@ for part in "${parts[@]}"; do
       timeout "${BENCH_TIMEOUT:-1000}" python3 -m anymla.bench ${BENCH_ARGS:---suite canonical --suite tp} \
         --out "$OUT/bench" > "$OUT/bench.log" 2>&1
       tail -80 "$OUT/bench.log" ;;
+    ncu)
+      for c in ${NCU_CASES:-tp-sdecode-v32-b128-h16}; do
+        # shellcheck disable=SC2086
+        timeout 300 ncu --clock-control none -k "regex:${NCU_KERNEL:-.}" --launch-skip 2 --launch-count 1 \
+          --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+          --section Occupancy --section LaunchStats --section SourceCounters \
+          python3 -m anymla.bench.profile_case --suite "${NCU_SUITE:-tp}" --case "$c" ${NCU_ARGS:-} \
+          > "$OUT/ncu_$c${NCU_ARGS:+_portable}.txt" 2>&1
+        grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Stall|Issued Warp|No Eligible|Registers|Shared Memory Config|L2 Hit|L1/TEX Hit|==PROF==|rror" \
+          "$OUT/ncu_$c${NCU_ARGS:+_portable}.txt" | head -40
+      done ;;
     layer)
       python3 -m anymla.bench.layer --out "$OUT/layer" 2>&1 | tee "$OUT/layer.log" | tail -40 ;;
     *) echo "unknown part $part"; exit 2 ;;

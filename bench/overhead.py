@@ -8,7 +8,8 @@ Three measurements:
 - ``host`` (CUDA): the whole eager path of real calls on the GPU, launches included: host µs to enqueue one
   call (the device drained before each sample) and wall µs per call back to back (a decode loop without CUDA
   graphs), for anymla and, where ``flash_mla`` imports, FlashMLA called directly; for anymla also the host time
-  with the kernel launches skipped, which separates the launches from the Python path and allocations.
+  with the kernel launches skipped, which separates the launches from the Python path and allocations, and
+  (``--steps``) the inclusive host µs per call of each step of the path.
 - ``primitive`` (CUDA): the host cost of the torch operations a call makes (an allocation, a view, ...).
 - ``cold`` (CUDA): a server's first call at every batch size 1..256 in a new process: how many kernels
   that compiles (or loads from Triton's cache) without :func:`anymla.warmup`, and, for another
@@ -163,6 +164,62 @@ def _without_launches(fn, device) -> float:
         Launcher.__call__ = launch
 
 
+def _step_targets():
+    """(owner, attribute, label) of the steps on the path of a call, outermost first."""
+    from anymla import api, buffers, metadata, selection
+    from anymla.triton_kernels import fit, launcher, splits
+    from anymla.triton_kernels.dense_decode import launch as dense
+    from anymla.triton_kernels.hopper import launch as hopper
+    from anymla.triton_kernels.sparse_mla import launch as sparse
+    return [(api, "decode_problem", "decode_problem"), (api, "select", "select"),
+            (metadata.FlashMLASchedMeta, "bind", "sched.bind"), (selection.Decision, "run", "Decision.run"),
+            (sparse.SparseDecodePlan, "__call__", "SparseDecodePlan"), (dense.DenseDecodePlan, "__call__", "DenseDecodePlan"),
+            (sparse.SparsePrefillPlan, "__call__", "SparsePrefillPlan"), (sparse.Source, "paged", "Source.paged"),
+            (buffers, "empty", "buffers.empty"), (metadata.FlashMLASchedMeta, "plan_for", "sched.plan_for"),
+            (hopper.SparseDecodeLaunch, "__call__", "hopper sparse decode launch"),
+            (hopper.DenseDecodeLaunch, "__call__", "hopper dense decode launch"),
+            (hopper.SparsePrefillLaunch, "__call__", "hopper prefill launch"),
+            (sparse._Portable, "__call__", "portable sparse launch"), (dense._Portable, "__call__", "portable dense launch"),
+            (fit.FittedKernel, "__call__", "FittedKernel"), (splits.Combine, "__call__", "Combine"),
+            (launcher.LatestDescriptors, "__call__", "LatestDescriptors"), (launcher.Launcher, "bind", "Launcher.bind"),
+            (launcher.Launcher, "__call__", "Launcher.__call__ (the launch)")]
+
+
+def _steps(fn, n: int = 200) -> dict:
+    """Inclusive host µs per call of each step of ``fn``'s path (steps it does not take are left out). Every
+    step is wrapped in a timer (~0.2 µs each), so the sum of the parts exceeds the whole a little."""
+    totals, saved = {}, []
+
+    def timed(f, label):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter_ns()
+            try:
+                return f(*a, **k)
+            finally:
+                totals[label] = totals.get(label, 0) + time.perf_counter_ns() - t0
+        return wrapper
+
+    for owner, attr, label in _step_targets():
+        raw = owner.__dict__[attr]
+        saved.append((owner, attr, raw))
+        if isinstance(raw, (classmethod, staticmethod)):
+            setattr(owner, attr, staticmethod(timed(getattr(owner, attr), label)))
+        else:
+            setattr(owner, attr, timed(raw, label))
+    try:
+        for _ in range(20):
+            fn()
+        t0 = time.perf_counter_ns()
+        totals.clear()
+        for _ in range(n):
+            fn()
+        totals["whole call"] = time.perf_counter_ns() - t0
+    finally:
+        for owner, attr, raw in saved:
+            setattr(owner, attr, raw)
+    return {label: ns / n / 1e3 for label, ns in totals.items()}
+
+
 def primitives(device) -> list[dict]:
     """µs per call of the torch operations a call makes on the host (median of 2000)."""
     t = torch.empty(64, 1, 64, 512, dtype=torch.bfloat16, device=device)
@@ -170,7 +227,8 @@ def primitives(device) -> list[dict]:
                                                                      device=device),
            "tensor.view": lambda: t.view(64, 64, 512), "tensor.reshape": lambda: t.reshape(64, 64, 512),
            "tensor.data_ptr": t.data_ptr, "tensor.stride": t.stride,
-           "torch.cuda.current_device": torch.cuda.current_device}
+           "torch.cuda.current_device": torch.cuda.current_device,
+           "triton driver current stream": _triton_stream(), "torch.zeros_like (one kernel)": lambda: torch.zeros_like(t)}
     rows = []
     for name, op in ops.items():
         samples = []
@@ -184,7 +242,13 @@ def primitives(device) -> list[dict]:
     return rows
 
 
-def host(device, profile: bool = False) -> list[dict]:
+def _triton_stream():
+    import triton
+    driver = triton.runtime.driver.active
+    return lambda: driver.get_current_stream(driver.get_current_device())
+
+
+def host(device, profile: bool = False, steps: bool = False) -> list[dict]:
     have_flash_mla = importlib.util.find_spec("flash_mla") is not None
     rows = []
     for name, op, build in _host_cases(device):
@@ -205,6 +269,10 @@ def host(device, profile: bool = False) -> list[dict]:
                   flush=True)
             if profile and who == "anymla":
                 _profile(name, fn)
+            if steps and who == "anymla":
+                for label, us in _steps(fn).items():
+                    rows.append(dict(part="step", case=name, who=label, host_us=us))
+                    print(f"step  {name:32s} {label:34s} {us:7.1f} µs/call", flush=True)
         del a, calls
         torch.cuda.empty_cache()
     return rows
@@ -263,6 +331,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--csv", help="write every row to this CSV file")
     ap.add_argument("--profile", action="store_true", help="print where anymla's host time goes (cProfile)")
+    ap.add_argument("--steps", action="store_true", help="time each step of anymla's call path (inclusive µs)")
     args = ap.parse_args()
     r = dispatch()
     print(f"dispatch: one call through the dispatcher without a kernel, torch {torch.__version__}: "
@@ -272,7 +341,7 @@ def main() -> None:
     if torch.cuda.is_available():
         device = torch.device("cuda")
         rows += cold(device)  # first: a new process whose kernels are not compiled yet
-        rows += primitives(device) + host(device, args.profile)
+        rows += primitives(device) + host(device, args.profile, args.steps)
     if args.csv:
         fields = sorted({k for row in rows for k in row}, key=lambda k: (k not in ("part", "case", "who"), k))
         with open(args.csv, "w", newline="") as f:
