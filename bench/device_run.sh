@@ -4,6 +4,7 @@
 # PARTs, run in the order given:
 #   flashmla  make FlashMLA v1.0.0 importable from .peers/FlashMLA (a prepared tree, ../shared/peers/flashmla.md):
 #             reuse a build cat'ed back into .peers/FlashMLA/flash_mla/, or build it in the background (~100 s)
+#   hf        install transformers (the layer tests' real client) from wheels carried in .wheels/ (no index there)
 #   tests     pytest on the GPU ($TESTS: test paths and options, default the whole suite with CPU-sized grids;
 #             $TESTS_K: a -k expression)
 #   overhead  python -m anymla.bench.overhead, in a fresh Triton cache (its cold-start part counts compiles)
@@ -33,6 +34,9 @@ for part in "${parts[@]}"; do
       export PYTHONPATH="$PYTHONPATH:$fm"
       if ls "$fm"/flash_mla/cuda*.so > /dev/null 2>&1; then echo "flashmla: reusing $(ls "$fm"/flash_mla/cuda*.so)"
       else bash .peers/build_flashmla.sh "$fm" > "$OUT/flashmla.log" 2>&1 & FLASHMLA_PID=$!; fi ;;
+    hf)
+      python3 -m pip install -q --no-index --find-links .wheels transformers 2>&1 | tail -3
+      python3 -c "import transformers; print('transformers', transformers.__version__)" ;;
     tests)
       # shellcheck disable=SC2086
       ANYMLA_TEST_GRID=${ANYMLA_TEST_GRID:-small} timeout "${TESTS_TIMEOUT:-1000}" python3 -m pytest -q -n 8 -p no:cacheprovider --import-mode=importlib \

@@ -173,45 +173,53 @@ def test_hopper_sparse_decode_takes_v32_v41_and_model1_caches(monkeypatch):
     assert launch.sparse_decode_reasons(_sparse_decode_problem(F.V32_FP8), tuning.TileConfig(16, 32, 4, 6)) == []
 
 
+class _Compiled:
+    """Stands for a compiled Triton kernel: records what its C launcher is handed."""
+
+    packed_metadata, function = "meta", "fn"
+
+    def __init__(self):
+        self.launches = []
+
+    def run(self, *args):
+        self.launches.append(args)
+
+    def launch_metadata(self, grid, stream, *args):
+        return ("metadata", grid, stream)
+
+
+class _Jit:
+    """Stands for a ``@triton.jit`` function: ``fn[grid](*args)`` compiles (counted) and returns the kernel."""
+
+    def __init__(self):
+        self.calls, self.kernels, self.compiled_with = 0, [], []
+
+    def __getitem__(self, grid):
+        def call(*args, **options):
+            self.calls += 1
+            self.compiled_with.append(args)
+            self.kernels.append(_Compiled())
+            return self.kernels[-1]
+        return call
+
+
 def test_a_launcher_hands_later_calls_straight_to_the_compiled_kernel(monkeypatch):
     """The first call of an alignment pattern goes through ``fn[grid]``; later ones call the compiled kernel's
-    own launcher with every argument and Triton's launch hooks (launch metadata only while a hook is installed:
+    own launcher with every argument (tensors as their addresses) and Triton's launch hooks (launch metadata only while a hook is installed:
     this Triton's real knobs keep them in empty chains rather than None); a new alignment compiles its own."""
     import triton
     from anymla.triton_kernels import launcher
 
-    class Compiled:
-        packed_metadata, function = "meta", "fn"
-
-        def __init__(self):
-            self.launches = []
-
-        def run(self, *args):
-            self.launches.append(args)
-
-        def launch_metadata(self, grid, stream, *args):
-            return ("metadata", grid, stream)
-
-    class Jit:
-        def __init__(self):
-            self.calls, self.kernels = 0, []
-
-        def __getitem__(self, grid):
-            def call(*args, **options):
-                self.calls += 1
-                self.kernels.append(Compiled())
-                return self.kernels[-1]
-            return call
-
     monkeypatch.setattr(launcher, "_driver", lambda: (lambda: 0, lambda device: 1234))
-    fn = Jit()
+    fn = _Jit()
     run = launcher.Launcher(fn, num_warps=4)
     aligned, shifted = torch.zeros(8), torch.zeros(9)[1:]
     run((2, 1, 1), [aligned, 7, True])
     run((3, 1, 1), [aligned, 7, True])
     knobs = triton.knobs.runtime
     hooks = (knobs.launch_enter_hook, knobs.launch_exit_hook)
-    assert fn.calls == 1 and fn.kernels[0].launches == [(3, 1, 1, 1234, "fn", "meta", None, *hooks, aligned, 7, True)]
+    assert fn.calls == 1 and fn.kernels[0].launches == [(3, 1, 1, 1234, "fn", "meta", None, *hooks, aligned.data_ptr(), 7,
+                                                                 True)]
     run((3, 1, 1), [shifted, 7, True])
     assert fn.calls == 2, "another alignment: Triton specializes on it, so it compiles its own kernel"
     hook = lambda *a: None  # noqa: E731
@@ -223,7 +231,34 @@ def test_a_launcher_hands_later_calls_straight_to_the_compiled_kernel(monkeypatc
             knobs.launch_enter_hook.remove(hook)
         assert fn.calls == 2 and fn.kernels[0].launches[-1][6] == ("metadata", (4, 1, 1), 1234), \
             "a hook gets the launch's metadata"
+        assert fn.kernels[0].launches[-1][9] is aligned, "and, with a hook, the tensors themselves"
 
+
+
+def test_a_bound_launch_passes_a_call_s_tensors_and_rebuilds_its_list_for_a_new_alignment(monkeypatch):
+    """``Launcher.bind``: a call may bring a tensor at the address of the list's view of it (a float8 cache for
+    its byte view: the kernel was compiled for the view); a new alignment pattern builds the whole list again
+    with ``full()`` and compiles; values that do not fill the list's slots are refused."""
+    from anymla.triton_kernels import launcher
+    monkeypatch.setattr(launcher, "_driver", lambda: (lambda: 0, lambda device: 7))
+    fn = _Jit()
+    run = launcher.Launcher(fn, num_warps=4)
+    cache, out, built = torch.zeros(64, dtype=torch.float8_e4m3fn), torch.empty(32), []
+
+    def full(out):
+        built.append(out)
+        return [cache.view(torch.uint8), 64, out, 2.0, True]
+
+    run.bind((1, 1, 1), (cache, out, 2.0), lambda: full(out))
+    assert fn.calls == 1 and fn.compiled_with[0][0].dtype == torch.uint8
+    run.bind((2, 1, 1), (cache, out, 3.0), lambda: full(out))
+    assert len(built) == 1 and fn.kernels[0].launches[-1][:3] == (2, 1, 1)
+    assert fn.kernels[0].launches[-1][-5:] == (cache.data_ptr(), 64, out.data_ptr(), 3.0, True)
+    shifted = torch.empty(33)[1:]
+    run.bind((1, 1, 1), (cache, shifted, 2.0), lambda: full(shifted))
+    assert len(built) == 2 and fn.calls == 2 and fn.compiled_with[1][2] is shifted
+    with pytest.raises(RuntimeError, match="per-call values"):
+        launcher.Launcher(_Jit()).bind((1, 1, 1), (torch.empty(64, dtype=torch.uint8), out, 2.0), lambda: full(out))
 
 # The tiles tuning.py chose in code before they became a table: computed at commit 0b0929d by calling its
 # sparse_config and dense_config for every device kind, cache class and 1..299 query rows a kv head, and

@@ -47,9 +47,9 @@ class FittedKernel:
 
     def __call__(self, values: Callable[[TileConfig], tuple], full: Callable[[TileConfig], tuple]) -> None:
         """Launch with a call's own ``values(tile)`` (see :meth:`Launcher.bind`); ``full(tile) -> (grid, args)``
-        builds the whole list, on the first call only."""
+        builds the whole list (the first call, and a call with a new alignment pattern)."""
         if self.launcher is not None:
-            self.launcher.bind(self.grid, values(self.tile), None)
+            self.launcher.bind(self.grid, values(self.tile), lambda: full(self.tile)[1])
             return
         error = None
         for t in shrinking(self.tile):

@@ -70,20 +70,25 @@ class Launcher:
 
     def bind(self, grid: tuple, values: tuple, full) -> None:
         """Launch with ``values``, the call's own arguments in kernel order (see :func:`_per_call`), put into
-        the argument list ``full()`` that the first call builds (later calls do not call ``full``)."""
-        if self._template is None:
-            args = full()
-            self.adopt(args, values)
-        else:
+        the plan's argument list. ``full()`` builds that whole list, with every tensor as the kernel is
+        compiled for (dtype, shape, strides); a value only has to be a tensor at the same address (a call
+        may pass a cache as it came where the list holds its byte view). ``full`` is called on the first
+        call, and when a call's alignment pattern has no compiled kernel yet."""
+        if self._template is not None:
             args = self._template.copy()
             for i, v in zip(self._slots, values):
                 args[i] = v
+            if self._launch_compiled(grid, args):
+                return
+        args = full()
+        if self._template is None:
+            self.adopt(args, values)
         self(grid, args)
 
     def adopt(self, args: list, values: tuple) -> None:
         """Keep ``args`` (a call's whole list) as the template whose per-call entries are ``values``."""
         slots = [i for i, a in enumerate(args) if _per_call(a)]
-        if len(slots) != len(values) or any(args[i] is not v for i, v in zip(slots, values)):
+        if len(slots) != len(values) or not all(_same_value(args[i], v) for i, v in zip(slots, values)):
             raise RuntimeError(f"{getattr(self.fn, '__name__', self.fn)}: the per-call values do not match the "
                                "argument list's tensor, float and descriptor slots")
         # The slots are overwritten by every call: emptied here, so the plan keeps no call's tensors alive.
@@ -97,24 +102,50 @@ class Launcher:
             bits = (bits << 1) | (args[i].data_ptr() % 16 == 0)
         return bits
 
+    def _launch_compiled(self, grid: tuple, args: list) -> bool:
+        """Launch the kernel compiled for ``args``' alignment pattern, if there is one (True when launched)."""
+        if not self._compiled:
+            return False
+        # Tensors go to the compiled kernel as their addresses: its C launcher takes an int as the pointer
+        # itself, where for a tensor it calls data_ptr() and asks the driver to check the address
+        # (cuPointerGetAttribute, ~1-2 µs a tensor). The addresses come from live tensors of this call.
+        bits, flat = 0, list(args)
+        for i in self._pointers:
+            ptr = flat[i].data_ptr()
+            bits = (bits << 1) | (ptr % 16 == 0)
+            flat[i] = ptr
+        kernel = self._compiled.get(bits)
+        if kernel is None:
+            return False
+        knobs = _knobs()
+        device, stream = _driver()
+        s = stream(device())
+        meta = None
+        if _hooked(knobs):  # hooks read the launch metadata, which wants the tensors themselves
+            meta, flat = kernel.launch_metadata(grid, s, *args), args
+        kernel.run(grid[0], grid[1], grid[2], s, kernel.function, kernel.packed_metadata, meta,
+                   knobs.launch_enter_hook, knobs.launch_exit_hook, *flat)
+        return True
+
     def __call__(self, grid: tuple, args: list) -> None:
-        """Launch over ``grid`` (three ints) with ``args``: every kernel parameter in order, constexprs too."""
-        if self._compiled:
-            kernel = self._compiled.get(self._alignment(args))
-            if kernel is not None:
-                knobs = _knobs()
-                device, stream = _driver()
-                s = stream(device())
-                meta = kernel.launch_metadata(grid, s, *args) if _hooked(knobs) else None
-                kernel.run(grid[0], grid[1], grid[2], s, kernel.function, kernel.packed_metadata, meta,
-                           knobs.launch_enter_hook, knobs.launch_exit_hook, *args)
-                return
+        """Launch over ``grid`` (three ints) with ``args``: every kernel parameter in order, constexprs too,
+        each tensor as the kernel is compiled for."""
+        if self._launch_compiled(grid, args):
+            return
         kernel = self.fn[grid](*args, **self.options)
         if hasattr(kernel, "packed_metadata") and _knobs() is not None:  # not under the interpreter
             if self._pointers is None:
                 self._pointers = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
             self._compiled[self._alignment(args)] = kernel
             _SEEN.add(id(kernel))
+
+
+def _same_value(listed, value) -> bool:
+    """Whether a call's ``value`` stands for the argument list's entry: itself, or a tensor at its address."""
+    if listed is value:
+        return True
+    return isinstance(listed, torch.Tensor) and isinstance(value, torch.Tensor) and \
+        listed.data_ptr() == value.data_ptr()
 
 
 class LatestDescriptors:

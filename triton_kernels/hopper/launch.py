@@ -203,16 +203,25 @@ class SparseDecodeLaunch:
                            _shared_layout([tile.block_n, 64], torch.bfloat16)]
         self.launcher = Launcher(sparse_decode_hopper_kernel, num_warps=4, maxnreg=REGS.value)
 
-    def __call__(self, q, main, extra, len_div: int, sink, sm_scale: float, out, lse, num_splits: int, ws) -> None:
-        tokens, h_q, _ = q.shape
-        x = extra or main
-        idx, x_idx = (s.indices.reshape(tokens, s.indices.shape[-1]) for s in (main, x))
+    def __call__(self, call, typed, len_div: int, sm_scale: float, num_splits: int, ws) -> None:
+        """``call``: the call's tensors (``sparse_mla.launch.CallTensors``); ``typed()``: ``(q, main, extra, out,
+        lse)`` as the kernel is compiled for, built only when the launcher needs the whole argument list."""
+        c = call
+        x_kv, x_idx, x_len = (c.kv, c.indices, c.length) if c.x_kv is None else (c.x_kv, c.x_indices, c.x_length)
         po, plse = (None, None) if ws is None else (ws.partial_out, ws.partial_lse)
         scale = sm_scale * math.log2(math.e)
-        values = (q, main.kv, idx, main.length, x.kv, x_idx, x.length, sink, out, lse, po, plse, scale)
-        self.launcher.bind((self.grid_rows, num_splits, 1), values, lambda: [
-            q, q.stride(0), q.stride(1), main.kv, main.stride_block, main.stride_row, main.page, main.rows, idx,
-            idx.stride(0), idx.shape[-1], main.length,
-            x.kv, x.stride_block, x.stride_row, x.page, x.rows, x_idx, x_idx.stride(0), x_idx.shape[-1], x.length,
-            len_div, sink, out, out.stride(0), out.stride(1), lse, lse.stride(0), po, plse,
-            h_q, self.hb, num_splits, scale, *self.constexprs])
+        values = (c.q, c.kv, c.indices, c.length, x_kv, x_idx, x_len, c.sink, c.out, c.lse, po, plse, scale)
+
+        def full():
+            q, main, extra, out, lse = typed()
+            x = extra or main
+            h_q = q.shape[1]
+            idx, x_idx = (s.indices.reshape(q.shape[0], s.indices.shape[-1]) for s in (main, x))
+            return [
+                q, q.stride(0), q.stride(1), main.kv, main.stride_block, main.stride_row, main.page, main.rows, idx,
+                idx.stride(0), idx.shape[-1], main.length,
+                x.kv, x.stride_block, x.stride_row, x.page, x.rows, x_idx, x_idx.stride(0), x_idx.shape[-1], x.length,
+                len_div, c.sink, out, out.stride(0), out.stride(1), lse, lse.stride(0), po, plse,
+                h_q, self.hb, num_splits, scale, *self.constexprs]
+
+        self.launcher.bind((self.grid_rows, num_splits, 1), values, full)

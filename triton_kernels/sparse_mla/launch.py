@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import triton
@@ -43,10 +43,10 @@ class Source:
 
     @classmethod
     def paged(cls, cache: torch.Tensor, fmt: KVCacheFormat, indices: torch.Tensor, length) -> "Source":
+        """A paged cache as a source; ``indices`` ``[tokens, 1, topk]`` slots, topk contiguous."""
         kv = cache if fmt is KVCacheFormat.BF16 or cache.dtype == torch.uint8 else cache.view(torch.uint8)
         nb, page = cache.shape[:2]
-        return cls(kv, page, kv.stride(0), kv.stride(1), 0, nb * page,
-                   _last_dim_contiguous(indices.reshape(-1, 1, indices.shape[-1])), length)
+        return cls(kv, page, kv.stride(0), kv.stride(1), 0, nb * page, indices, length)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -68,15 +68,19 @@ class _Portable:
         self.kernel = FittedKernel(sparse_mla_kernel, ("sparse_mla", tuple(sorted(self.constexprs.items()))), tile)
         self.tail = list(self.constexprs.values())  # the kernel's constexprs up to the tile's, in its order
 
-    def __call__(self, q, main: Source, extra: Optional[Source], len_div: int, sink, sm_scale: float, out, lse,
-                 max_logits, num_splits: int, ws) -> None:
-        x = extra or main
+    def __call__(self, call: "CallTensors", typed, len_div: int, sm_scale: float, num_splits: int, ws) -> None:
+        """``call``: the tensors as the call brought them; ``typed()``: the same as the kernel is compiled for
+        (``(q, main, extra, out, lse)`` with the sources' paging), only built when the launcher needs it."""
         po, plse = (None, None) if ws is None else (ws.partial_out, ws.partial_lse)
         scale = sm_scale * math.log2(math.e)
-        values = (q, main.indices, main.length, main.kv, x.indices, x.length, x.kv, sink, out, lse, max_logits, po,
-                  plse, scale)
+        c = call
+        x_idx, x_len, x_kv = (c.indices, c.length, c.kv) if c.x_kv is None else (c.x_indices, c.x_length, c.x_kv)
+        values = (c.q, c.indices, c.length, c.kv, x_idx, x_len, x_kv, c.sink, c.out, c.lse, c.max_logits, po, plse,
+                  scale)
 
         def full(tile: TileConfig):
+            q, main, extra, out, lse = typed()
+            x = extra or main
             hb = -(-self.per_group // tile.block_h)
             return (self.rows * hb, num_splits, 1), [
                 q, q.stride(0), q.stride(1),
@@ -84,18 +88,49 @@ class _Portable:
                 len_div, main.kv, main.stride_block, main.stride_row, main.stride_group, main.page, main.rows,
                 x.indices, x.indices.stride(0), x.indices.shape[-1], x.length, x.kv, x.stride_block, x.stride_row,
                 x.page, x.rows,
-                sink, out, out.stride(0), out.stride(1), lse, max_logits, po, plse,
+                c.sink, out, out.stride(0), out.stride(1), lse, c.max_logits, po, plse,
                 q.shape[1], self.per_group, hb, num_splits, scale,
                 *self.tail, tile.block_h, tile.block_n, tile.skip_scale, tile.num_stages]
 
         self.kernel(lambda tile: values, full)
 
 
+class CallTensors(NamedTuple):
+    """The tensors of one sparse call as it brought them (or, where the kernel cannot read them at their
+    address, as copied for it), in no kernel's order; absent ones are None."""
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    indices: torch.Tensor
+    length: Optional[torch.Tensor]
+    x_kv: Optional[torch.Tensor]
+    x_indices: Optional[torch.Tensor]
+    x_length: Optional[torch.Tensor]
+    sink: Optional[torch.Tensor]
+    out: torch.Tensor
+    lse: torch.Tensor
+    max_logits: Optional[torch.Tensor]
+
+
+def _as_read(t: Optional[torch.Tensor], to_kernel) -> Callable:
+    """How a plan passes a call's tensor whose kernel view is ``to_kernel(t)``: as it comes when that view lies
+    at its address (fixed by the signature's strides), else through ``to_kernel`` (a copy) on every call."""
+    if t is None or to_kernel(t).data_ptr() == t.data_ptr():
+        return _itself
+    return to_kernel
+
+
+def _itself(t):
+    return t
+
+
 class SparsePrefillPlan:
     """``flash_mla_sparse_fwd`` on the Triton tier for one signature (``p``: a validated SparsePrefill)."""
 
     def __init__(self, p):
-        q, kv, indices = (_last_dim_contiguous(t) for t in (p.q, p.kv, p.indices))  # as the launch passes them
+        # q, kv and indices as the kernels read them: contiguous along their last dim (copied where not)
+        self.as_read = [_as_read(t, _last_dim_contiguous) for t in (p.q, p.kv, p.indices)]
+        q, kv, indices = (f(t) for f, t in zip(self.as_read, (p.q, p.kv, p.indices)))
         s_q, h_q, d = q.shape
         h_kv = kv.shape[1]
         tile = sparse_config(runtime.device_kind(q.device), h_q // h_kv, False)
@@ -109,21 +144,32 @@ class SparsePrefillPlan:
         self.description = hopper.describe(reasons, "sparse", tile, 1)
 
     def __call__(self, p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, kv, indices = (_last_dim_contiguous(t) for t in (p.q, p.kv, p.indices))
+        read_q, read_kv, read_idx = self.as_read
+        q, kv, indices = read_q(p.q), read_kv(p.kv), read_idx(p.indices)
         s_q, h_q, _ = q.shape
         out = buffers.empty(s_q, h_q, p.d_v, dtype=q.dtype, device=q.device)
-        lse = buffers.empty(s_q, h_q, dtype=torch.float32, device=q.device)
-        max_logits = buffers.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+        # one allocation for both statistics (each allocation costs the host ~4 µs)
+        max_logits, lse = buffers.empty(2, s_q, h_q, dtype=torch.float32, device=q.device).unbind(0)
         if not s_q:
             return out, max_logits, lse
         if self.hopper:
             self.launch(q, kv, indices, p.topk_length, p.attn_sink, p.sm_scale, out, lse, max_logits)
         else:
-            # kv is one page holding every row: slot = row, so the paged addressing reduces to row * stride(0).
-            s_kv = kv.shape[0]
-            main = Source(kv, max(s_kv, 1), 0, kv.stride(0), kv.stride(1), s_kv, indices, p.topk_length)
-            self.launch(q, main, None, 1, p.attn_sink, p.sm_scale, out, lse, max_logits, 1, None)
+            call = CallTensors(q, kv, indices, p.topk_length, None, None, None, p.attn_sink, out, lse, max_logits)
+
+            def typed():
+                # kv is one page holding every row: slot = row, so the paged addressing reduces to row * stride(0).
+                s_kv = kv.shape[0]
+                main = Source(kv, max(s_kv, 1), 0, kv.stride(0), kv.stride(1), s_kv, indices, p.topk_length)
+                return q, main, None, out, lse
+
+            self.launch(call, typed, 1, p.sm_scale, 1, None)
         return out, max_logits, lse
+
+
+def _flat_indices(indices: torch.Tensor) -> torch.Tensor:
+    """Decoding indices ``[b, s_q, topk]`` as the kernels read them: ``[tokens, 1, topk]``, topk contiguous."""
+    return _last_dim_contiguous(indices.reshape(-1, 1, indices.shape[-1]))
 
 
 class SparseDecodePlan:
@@ -132,6 +178,7 @@ class SparseDecodePlan:
 
     def __init__(self, p):
         b, s_q, h_q, d = p.q.shape
+        self.shape = (b, s_q, h_q, d)
         self.tokens = tokens = b * s_q
         self.fmt, self.x_fmt = fmt, x_fmt = p.fmt, p.extra_fmt
         tile = sparse_config(runtime.device_kind(p.device), h_q, fmt.is_quantized, fmt.name)
@@ -153,25 +200,35 @@ class SparseDecodePlan:
                                     tokens, h_q, 1)
         self.combine = Combine(self.num_splits) if split else None
         self.description = hopper.describe(reasons, "sparse", tile, self.num_splits)
+        self.read_q = _as_read(p.q, self._kernel_q)
+        self.read_idx, self.read_x_idx = _as_read(p.indices, _flat_indices), _as_read(p.extra_indices, _flat_indices)
+
+    def _kernel_q(self, q: torch.Tensor) -> torch.Tensor:
+        """q as the kernels read it: ``[tokens, h_q, d_qk]``, d_qk contiguous."""
+        _, _, h_q, d = self.shape
+        return _last_dim_contiguous(q).reshape(self.tokens, h_q, d)
 
     def __call__(self, p) -> tuple[torch.Tensor, torch.Tensor]:
-        b, s_q, h_q, d = p.q.shape
-        tokens = self.tokens
-        q = _last_dim_contiguous(p.q).reshape(tokens, h_q, d)
-        main = Source.paged(p.k_cache, self.fmt, p.indices, p.topk_length)
-        extra = None if p.extra_k_cache is None else \
-            Source.paged(p.extra_k_cache, self.x_fmt, p.extra_indices, p.extra_topk_length)
-        out = buffers.empty(b, s_q, h_q, p.d_v, dtype=q.dtype, device=q.device)
-        lse = buffers.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
-        o3, l2 = out.view(tokens, h_q, p.d_v), lse.view(tokens, h_q)
+        b, s_q, h_q, _ = self.shape
+        q, idx = self.read_q(p.q), self.read_idx(p.indices)
+        x_idx = None if p.extra_indices is None else self.read_x_idx(p.extra_indices)
+        out = buffers.empty(b, s_q, h_q, p.d_v, dtype=p.q.dtype, device=p.q.device)
+        lse = buffers.empty(b, s_q, h_q, dtype=torch.float32, device=p.q.device)
         ws = None
         if self.combine is not None:
-            make = lambda: workspaces(self.num_splits, tokens, h_q, q.device)  # noqa: E731
+            make = lambda: workspaces(self.num_splits, self.tokens, h_q, p.q.device)  # noqa: E731
             ws = p.sched.plan_for(("triton", self.num_splits), make) if p.sched is not None else make()
-        if self.hopper:
-            self.launch(q, main, extra, s_q, p.attn_sink, p.sm_scale, o3, l2, self.num_splits, ws)
-        else:
-            self.launch(q, main, extra, s_q, p.attn_sink, p.sm_scale, o3, l2, None, self.num_splits, ws)
+        call = CallTensors(q, p.k_cache, idx, p.topk_length, p.extra_k_cache, x_idx, p.extra_topk_length, p.attn_sink,
+                           out, lse, None)
+
+        def typed():
+            main = Source.paged(p.k_cache, self.fmt, _flat_indices(idx), p.topk_length)
+            extra = None if p.extra_k_cache is None else \
+                Source.paged(p.extra_k_cache, self.x_fmt, _flat_indices(x_idx), p.extra_topk_length)
+            return (self._kernel_q(q), main, extra, out.view(self.tokens, h_q, p.d_v), lse.view(self.tokens, h_q))
+
+        self.launch(call, typed, s_q, p.sm_scale, self.num_splits, ws)
         if self.combine is not None:
-            self.combine(ws, o3, l2, 1, (o3.stride(0), 0, o3.stride(1)), (l2.stride(0), 0, l2.stride(1)), p.attn_sink)
+            # out [tokens, h_q, 512] and lse [tokens, h_q] (contiguous): strides of (batch, query, head)
+            self.combine(ws, out, lse, 1, (h_q * p.d_v, 0, p.d_v), (h_q, 0, 1), p.attn_sink)
         return out, lse
