@@ -39,8 +39,9 @@ for part in "${parts[@]}"; do
       python3 -c "import transformers; print('transformers', transformers.__version__)" ;;
     tests)
       # shellcheck disable=SC2086
-      ANYMLA_TEST_GRID=${ANYMLA_TEST_GRID:-small} timeout "${TESTS_TIMEOUT:-1000}" python3 -m pytest -q -n 8 -p no:cacheprovider --import-mode=importlib \
-        ${TESTS:-tests} ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/tests.log" | tail -15 ;;
+      # SIGINT at the time limit: pytest then still lists the failures so far (-rf)
+      ANYMLA_TEST_GRID=${ANYMLA_TEST_GRID:-small} timeout -s INT "${TESTS_TIMEOUT:-1000}" python3 -m pytest -q -rf --tb=line -n 8 -p no:cacheprovider --import-mode=importlib \
+        ${TESTS:-tests} ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/tests.log" | grep -E "^FAILED|^ERROR|passed|failed" | tail -60 ;;
     overhead)
       flashmla_wait
       TRITON_CACHE_DIR=$(mktemp -d) python3 -m anymla.bench.overhead --csv "$OUT/overhead.csv" ${OVERHEAD_ARGS:-} 2>&1 | tee "$OUT/overhead.log" ;;

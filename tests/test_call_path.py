@@ -202,3 +202,14 @@ def test_one_metadata_object_serves_block_tables_of_other_widths(device):
         splits = {anymla.explain(anymla.flash_mla_with_kvcache, **a, tile_scheduler_metadata=None,
                                  backend="triton").plan.num_splits for a in (wide, narrow)}
         assert len(splits) == 2 and min(splits) > 1, f"the case needs two split counts above 1, got {splits}"
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_prefill_with_no_kv_row_gives_every_token_the_empty_result(tier, device):
+    """s_kv 0: no row to attend (the Triton tier launches nothing): out 0, max_logits -inf, lse +inf."""
+    args = prefill_inputs(3, 4, 512, 0, 8, seed=5, device=device)
+    out, max_logits, lse = anymla.flash_mla_sparse_fwd(**args, backend=tier)
+    assert out.shape == (3, 4, 512) and torch.equal(out, torch.zeros_like(out))
+    assert bool((max_logits == -math.inf).all()) and bool((lse == math.inf).all())
+    compare_outputs("sparse_prefill", (out, max_logits, lse),
+                    anymla.flash_mla_sparse_fwd(**args, backend="reference"))

@@ -77,9 +77,14 @@ def test_every_source_module_is_packaged(wheel_files):
 
 
 def test_top_level_name_is_anymla_only(tmp_path):
-    """Outside the checkout, the installed package exposes ``anymla`` and no repository folder name."""
-    code = ("import importlib.util as u, json; "
-            f"print(json.dumps({{n: u.find_spec(n) is not None for n in {list(REPO_FOLDERS) + ['anymla']!r}}}))")
+    """Outside the checkout, the installed package exposes ``anymla`` and no repository folder name (a
+    folder of that name elsewhere on the path, e.g. another project's ``tests``, is not this repository's)."""
+    code = ("import importlib.util as u, json\n"
+            "def ours(n):\n"
+            "    s = u.find_spec(n)\n"
+            "    places = [] if s is None else list(s.submodule_search_locations or [s.origin])\n"
+            f"    return any(str(p).startswith({str(ROOT)!r}) for p in places) if n != 'anymla' else s is not None\n"
+            f"print(json.dumps({{n: ours(n) for n in {list(REPO_FOLDERS) + ['anymla']!r}}}))")
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout)

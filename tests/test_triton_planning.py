@@ -404,16 +404,16 @@ def _table_cases():
         h, seed = row.tile.block_h, zlib.crc32(repr(key).encode())
         name = "-".join(key).replace("*", "any")
         if op in ("sparse", tuning.ANY) and cache in ("bf16", tuning.ANY):
-            cases.append((name + "-prefill", row.tile, lambda h=h, s=seed: (
-                "sparse_prefill", prefill_inputs(2, h, 576, 150, 70, topk_length=True, seed=s))))
+            cases.append((name + "-prefill", row.tile, lambda dev, h=h, s=seed: (
+                "sparse_prefill", prefill_inputs(2, h, 576, 150, 70, topk_length=True, seed=s, device=dev))))
         if op in ("sparse", tuning.ANY) and cache != "bf16":
             fmt = KV.MODEL1_FP8 if cache == "MODEL1_FP8" else KV.V41_FP8
             extra = dict(fmt=KV.MODEL1_FP8 if cache == "MODEL1_FP8" else KV.V41_FP4, page=64, s_k=90, topk=40)
-            cases.append((name + "-decode", row.tile, lambda h=h, s=seed, f=fmt, x=extra: (
-                "sparse_decode", sparse_decode_inputs(2, 1, h, 150, 70, fmt=f, extra=x, seed=s))))
+            cases.append((name + "-decode", row.tile, lambda dev, h=h, s=seed, f=fmt, x=extra: (
+                "sparse_decode", sparse_decode_inputs(2, 1, h, 150, 70, fmt=f, extra=x, seed=s, device=dev))))
         if op in ("dense", tuning.ANY) and cache in ("bf16", tuning.ANY):
-            cases.append((name + "-dense", row.tile, lambda h=h, s=seed: (
-                "dense_decode", dense_decode_inputs(2, 1, h, 1, 150, causal=True, seed=s))))
+            cases.append((name + "-dense", row.tile, lambda dev, h=h, s=seed: (
+                "dense_decode", dense_decode_inputs(2, 1, h, 1, 150, causal=True, seed=s, device=dev))))
     return cases
 
 
@@ -421,7 +421,7 @@ _TABLE_CASES = _table_cases()
 
 
 @pytest.mark.parametrize("name, tile, make", _TABLE_CASES, ids=[c[0] for c in _TABLE_CASES])
-def test_every_gpu_tile_of_the_table_agrees_with_the_reference(backend, name, tile, make, tol_scale):
+def test_every_gpu_tile_of_the_table_agrees_with_the_reference(backend, name, tile, make, tol_scale, device):
     """The kernels at each shipped tile (forced: the interpreter, or this GPU, runs them at its sizes and
     stage counts) against the reference, over topk tails, extra caches and causal masks."""
     if backend != "triton":
@@ -429,7 +429,7 @@ def test_every_gpu_tile_of_the_table_agrees_with_the_reference(backend, name, ti
     import anymla
     from anymla.testing import compare_outputs
     from anymla.triton_kernels import tuning
-    op, args = make()
+    op, args = make(device)
     with tuning.forced(tile):
         if op == "sparse_prefill":
             got = anymla.flash_mla_sparse_fwd(**args, backend=backend)

@@ -45,6 +45,11 @@ class Arch:
     spill_budget: Optional[int] = None
 
 
+# The spill budgets were set on this Triton (the version CI pins): another version's register allocation moves
+# by some tens of bytes (Triton 3.6: 44 B on gfx942, 96 B on sm_120 for tiles that spill 0 / 32 B on 3.7), so
+# there --shipped still fails a config that does not fit, but only reports its spills.
+SPILL_BUDGET_TRITON = "3.7."
+
 ARCHS = {
     "90": Arch("cuda", 90, 32, 232448, "cuda_sm90", True, True),  # H100, H200
     "100": Arch("cuda", 100, 32, 232448, "cuda_sm100", True, True),  # B200
@@ -282,6 +287,7 @@ def main() -> None:
                     break
                 spills = a.shipped and arch.spill_budget is not None and r["spill_bytes"] > arch.spill_budget
                 print(_line(label, t, r) + (f"  SPILLS over {arch.spill_budget} B" if spills else ""), flush=True)
+                spills = spills and triton.__version__.startswith(SPILL_BUDGET_TRITON)
                 misfits += t == tile and (spills or not r["fits"])
                 if r["fits"]:  # what the launch-time ladder would settle on
                     break

@@ -142,6 +142,11 @@ class SparsePrefillPlan:
             self.launch = _Portable(q.device, tile, d, KVCacheFormat.BF16, None, p.topk_length is not None, False,
                                     p.attn_sink is not None, True, False, s_q, h_q, h_kv)
         self.description = hopper.describe(reasons, "sparse", tile, 1)
+        # No row to attend (s_kv or topk 0): every token's result is fixed, and Triton 3.6 fails compiling the
+        # Hopper kernel for an empty kv (H200, 2026-12-01), so no kernel runs.
+        self.nothing_to_attend = kv.shape[0] == 0 or indices.shape[-1] == 0
+        if self.nothing_to_attend:
+            self.description = "no kernel: no kv row to attend (out 0, max_logits -inf, lse +inf)"
 
     def __call__(self, p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         read_q, read_kv, read_idx = self.as_read
@@ -152,7 +157,11 @@ class SparsePrefillPlan:
         max_logits, lse = buffers.empty(2, s_q, h_q, dtype=torch.float32, device=q.device).unbind(0)
         if not s_q:
             return out, max_logits, lse
-        if self.hopper:
+        if self.nothing_to_attend:
+            out.zero_()
+            max_logits.fill_(-math.inf)
+            lse.fill_(math.inf)
+        elif self.hopper:
             self.launch(q, kv, indices, p.topk_length, p.attn_sink, p.sm_scale, out, lse, max_logits)
         else:
             call = CallTensors(q, kv, indices, p.topk_length, None, None, None, p.attn_sink, out, lse, max_logits)
