@@ -213,3 +213,18 @@ def test_a_prefill_with_no_kv_row_gives_every_token_the_empty_result(tier, devic
     assert bool((max_logits == -math.inf).all()) and bool((lse == math.inf).all())
     compare_outputs("sparse_prefill", (out, max_logits, lse),
                     anymla.flash_mla_sparse_fwd(**args, backend="reference"))
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("h_q", [16, 64])
+def test_repeated_dense_calls_follow_the_cache_they_are_given(tier, h_q, device):
+    """Later calls of a signature launch directly, with the tensor-memory descriptors of the cache encoded
+    once: a second cache of the same shape must be read, not the first one's descriptors (GPU: the portable
+    kernel at 16 heads, the Hopper one at 64)."""
+    first = dense_decode_inputs(2, 1, h_q, 1, 200, page=64, seed=6, device=device)
+    second = dict(first, k_cache=torch.randn_like(first["k_cache"]))
+    meta, _ = anymla.get_mla_metadata()
+    for args in (first, first, second, second, first):
+        got = anymla.flash_mla_with_kvcache(**args, tile_scheduler_metadata=meta, backend=tier)
+        compare_outputs("dense_decode", got, anymla.flash_mla_with_kvcache(**args, tile_scheduler_metadata=None,
+                                                                           backend="reference"), scale=_scale(tier))

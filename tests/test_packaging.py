@@ -83,7 +83,8 @@ def test_top_level_name_is_anymla_only(tmp_path):
             "def ours(n):\n"
             "    s = u.find_spec(n)\n"
             "    places = [] if s is None else list(s.submodule_search_locations or [s.origin])\n"
-            f"    return any(str(p).startswith({str(ROOT)!r}) for p in places) if n != 'anymla' else s is not None\n"
+            f"    return any(str(p).startswith({str(ROOT)!r} + '/' + n) for p in places) if n != 'anymla' else "
+            "s is not None\n"
             f"print(json.dumps({{n: ours(n) for n in {list(REPO_FOLDERS) + ['anymla']!r}}}))")
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

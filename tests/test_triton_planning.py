@@ -260,6 +260,58 @@ def test_a_bound_launch_passes_a_call_s_tensors_and_rebuilds_its_list_for_a_new_
     with pytest.raises(RuntimeError, match="per-call values"):
         launcher.Launcher(_Jit()).bind((1, 1, 1), (torch.empty(64, dtype=torch.uint8), out, 2.0), lambda: full(out))
 
+
+def test_a_direct_launch_encodes_each_tensor_memory_descriptor_once(monkeypatch):
+    """Under Triton's descriptor wrapper (this Triton's own ``wrap_handle_tensordesc``), the direct launch hands
+    the inner launcher exactly what the wrapper would, and encodes a descriptor object once, not per launch."""
+    from triton.backends.nvidia import driver
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    from anymla.triton_kernels import launcher
+    encodings = []
+
+    def encode(arg, meta):
+        encodings.append(arg)
+        return real(arg, meta)
+
+    real = driver.make_tensordesc_arg
+    monkeypatch.setattr(driver, "make_tensordesc_arg", encode)
+    raw_calls = []
+    signature = {"q": "*bf16", "desc": "tensordesc<bf16[1, 16, 1, 64]>", "n": "i32", "FLAG": "constexpr"}
+    wrapper = driver.wrap_handle_tensordesc(lambda *a: raw_calls.append(a), signature, None)
+
+    flat = "_BASE_ARGS_FORMAT_LEN" in wrapper.__code__.co_names  # Triton 3.6's layout; 3.7 passes a list
+
+    class Run:  # stands for this Triton's CudaLauncher: hands its arguments to self.launch as it does
+        def __init__(self):
+            self.launch = wrapper
+
+        def __call__(self, gx, gy, gz, stream, function, *rest):
+            if flat:
+                self.launch(gx, gy, gz, stream, function, False, False, None, None, *rest)
+            else:
+                self.launch(gx, gy, gz, stream, function, *rest[:4], None, None, "annotations", "signature",
+                            rest[4:])
+
+    class Kernel:
+        run, function, packed_metadata = Run(), "fn", "meta"
+
+    cache = torch.zeros(4, 64, 1, 576, dtype=torch.bfloat16)
+    desc = TensorDescriptor(cache, list(cache.shape), list(cache.stride()), [1, 16, 1, 64])
+    direct = launcher._Direct(Kernel())
+    assert direct.positions == [1]
+    args = [123, desc, 7, True]
+    Kernel.run(1, 1, 1, 0, "fn", "meta", None, None, None, *args)  # Triton's own path: the wrapper encodes
+    for _ in range(3):
+        direct.run(1, 1, 1, 0, "fn", "meta", None, None, None, *direct.encoded(args))
+    assert len(encodings) == 2, "one encoding for Triton's own launch, one for three direct launches"
+
+    def same(a, b):
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a is b or (not isinstance(a, torch.Tensor) and a == b)
+
+    assert len(raw_calls) == 4 and all(same(call, raw_calls[0]) for call in raw_calls[1:])
+
 # The tiles tuning.py chose in code before they became a table: computed at commit 0b0929d by calling its
 # sparse_config and dense_config for every device kind, cache class and 1..299 query rows a kv head, and
 # hard-coded here so that the table must give exactly these. (kind, op, cache class) -> the tiles at 16, 32 and
@@ -429,6 +481,9 @@ def test_every_gpu_tile_of_the_table_agrees_with_the_reference(backend, name, ti
     import anymla
     from anymla.testing import compare_outputs
     from anymla.triton_kernels import tuning
+    if device.type == "cuda" and tile.block_n < 16:
+        pytest.skip(f"{name}: key blocks of {tile.block_n} (an Ascend tile): GPU dots take K >= 16; the "
+                    "interpreter checks this tile in CI")
     op, args = make(device)
     with tuning.forced(tile):
         if op == "sparse_prefill":

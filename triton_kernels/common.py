@@ -106,8 +106,10 @@ def load_latent(kv_ptr, row, srow, valid, FMT: tl.constexpr, DTYPE: tl.constexpr
         s = e8m0_to_f32(tl.load(kv_ptr + srow[:, None] + tl.arange(0, 16)[None, :], mask=m, other=0))
         k = _scaled(q, s, 32).to(DTYPE)
     elif FMT == FMT_V41_FP4:
-        # element 2i sits in the low nibble of byte i, element 2i + 1 in the high nibble
-        if PORTABLE:
+        # element 2i sits in the low nibble of byte i, element 2i + 1 in the high nibble. The select also
+        # serves blocks of fewer than 32 rows on GPUs: there the join-and-reshape unpack gave wrong outputs on
+        # the H200 (Triton 3.6, 16 keys a block: half the elements; the interpreter agreed; cause not found).
+        if PORTABLE or row.shape[0] < 32:
             byte = tl.load(kv_ptr + row[:, None] + (col // 2)[None, :], mask=m, other=0)
             v = e2m1_to_f32(tl.where((col % 2 == 0)[None, :], byte & 0xF, byte >> 4))
         else:

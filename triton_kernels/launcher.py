@@ -16,6 +16,7 @@ goes through ``fn[grid]``) under Triton's interpreter and with a Triton older th
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -64,7 +65,7 @@ class Launcher:
         self.fn = fn
         self.options = options
         self._pointers = None  # positions of the tensor arguments (fixed by the plan's signature)
-        self._compiled = {}  # alignment pattern -> Triton's compiled kernel
+        self._compiled = {}  # alignment pattern -> the compiled kernel (a _Direct)
         self._template = None  # the plan's argument list, its per-call slots emptied
         self._slots = ()  # where a call's own values go in them
 
@@ -114,17 +115,20 @@ class Launcher:
             ptr = flat[i].data_ptr()
             bits = (bits << 1) | (ptr % 16 == 0)
             flat[i] = ptr
-        kernel = self._compiled.get(bits)
-        if kernel is None:
+        direct = self._compiled.get(bits)
+        if direct is None:
             return False
+        kernel, run = direct.kernel, direct.run
         knobs = _knobs()
         device, stream = _driver()
         s = stream(device())
         meta = None
         if _hooked(knobs):  # hooks read the launch metadata, which wants the tensors themselves
-            meta, flat = kernel.launch_metadata(grid, s, *args), args
-        kernel.run(grid[0], grid[1], grid[2], s, kernel.function, kernel.packed_metadata, meta,
-                   knobs.launch_enter_hook, knobs.launch_exit_hook, *flat)
+            meta, flat, run = kernel.launch_metadata(grid, s, *args), args, kernel.run
+        else:
+            flat = direct.encoded(flat)
+        run(grid[0], grid[1], grid[2], s, kernel.function, kernel.packed_metadata, meta,
+            knobs.launch_enter_hook, knobs.launch_exit_hook, *flat)
         return True
 
     def __call__(self, grid: tuple, args: list) -> None:
@@ -136,8 +140,50 @@ class Launcher:
         if hasattr(kernel, "packed_metadata") and _knobs() is not None:  # not under the interpreter
             if self._pointers is None:
                 self._pointers = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-            self._compiled[self._alignment(args)] = kernel
+            self._compiled[self._alignment(args)] = _Direct(kernel)
             _SEEN.add(id(kernel))
+
+
+class _Direct:
+    """A compiled kernel and how to call its launcher. Where the kernel takes host tensor-memory descriptors,
+    Triton's launcher encodes each one again (cuTensorMapEncodeTiled) on every launch; this one encodes a
+    descriptor object once and hands its encoding to the launcher underneath Triton's descriptor wrapper while
+    the same object comes back (a plan's :class:`LatestDescriptors` returns one object per cache). Found by
+    looking into that wrapper (Triton 3.6 and 3.7 keep the inner launcher, the descriptors' positions and
+    their metadata in its closure); where it is not there, every launch goes through Triton's own path."""
+
+    def __init__(self, kernel):
+        self.kernel, self.run, self.positions, self._cache = kernel, kernel.run, (), {}
+        wrapper = getattr(kernel.run, "launch", None)
+        code = getattr(wrapper, "__code__", None)
+        needed = ("launcher", "tensordesc_indices", "tensordesc_meta")
+        if code is None or not all(n in code.co_freevars for n in needed) or \
+                "make_tensordesc_arg" not in wrapper.__globals__:
+            return
+        cells = dict(zip(code.co_freevars, (c.cell_contents for c in wrapper.__closure__)))
+        self.run = copy.copy(kernel.run)
+        self.run.launch = cells["launcher"]
+        self.positions = sorted(cells["tensordesc_indices"])
+        self._metas = list(cells["tensordesc_meta"])
+        self._expand = wrapper.__globals__["make_tensordesc_arg"]
+
+    def encoded(self, args: list) -> list:
+        """``args`` with each descriptor replaced by its encoding (what Triton's wrapper would hand on)."""
+        if not self.positions:
+            return args
+        out, start = [], 0
+        for pos, meta in zip(self.positions, self._metas):
+            desc = args[pos]
+            kept = self._cache.get(id(desc))
+            if kept is None or kept[0] is not desc:
+                if len(self._cache) >= 8:
+                    self._cache.clear()
+                kept = self._cache[id(desc)] = (desc, self._expand(desc, meta))
+            out += args[start:pos]
+            out += kept[1]
+            start = pos + 1
+        out += args[start:]
+        return out
 
 
 def _same_value(listed, value) -> bool:
