@@ -186,8 +186,14 @@ def main(argv=None) -> int:
           + (f"; stand-in: {info.stand_in}" if info.stand_in else ""), flush=True)
     ceilings = measure_ceilings(device, timer)
     scale = runner.INTERPRETER_TOLERANCE_SCALE if info.interpreter else 1.0
+    os.makedirs(args.out, exist_ok=True)
+    partial = os.path.join(args.out, "results.csv")
+
+    def keep(outcomes):  # a run stopped before its end keeps the rows of the cases it finished
+        write_csv(partial, csv_rows(outcomes, info, ceilings))
+
     with stand_in:
-        outcomes = runner.run(plan, backends, timer, tolerance_scale=scale, seed=args.seed)
+        outcomes = runner.run(plan, backends, timer, tolerance_scale=scale, seed=args.seed, on_case=keep)
     ceilings = better(ceilings, measure_ceilings(device, timer))
 
     ab = (args.baseline, args.target) if args.baseline else _default_ab(backends)

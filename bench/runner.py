@@ -138,8 +138,9 @@ def _release(device: torch.device) -> None:
 
 
 def run(plan: list[tuple[str, Case]], backends: list[str], timer: Timer, *, tolerance_scale: float = 1.0,
-        seed: int = 0) -> list[CaseOutcome]:
-    """Run ``plan`` (``(suite name, case)`` pairs) with a progress bar; problems are reported as they happen."""
+        seed: int = 0, on_case: Callable[[list], None] = lambda outcomes: None) -> list[CaseOutcome]:
+    """Run ``plan`` (``(suite name, case)`` pairs) with a progress bar; problems are reported as they happen,
+    and ``on_case(outcomes so far)`` is called after each case."""
     outcomes = []
     with tqdm(total=len(plan) * len(backends), desc="anymla.bench", unit="run", dynamic_ncols=True) as bar:
         for suite, case in plan:
@@ -158,4 +159,5 @@ def run(plan: list[tuple[str, Case]], backends: list[str], timer: Timer, *, tole
                     bar.write(f"{case.name}: {r.backend} {r.status.upper()}: {r.note}")
             outcomes.append(outcome)
             _release(timer.device)
+            on_case(outcomes)
     return outcomes
