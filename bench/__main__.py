@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     print(f"anymla.bench: {len(plan)} shapes x {', '.join(backends)} on {device} ({info.device_name})"
           + (f"; not available here: {', '.join(skipped)} (why: --list)" if skipped else "")
           + (f"; stand-in: {info.stand_in}" if info.stand_in else ""), flush=True)
-    ceilings = measure_ceilings(device, timer)
+    ceilings = measure_ceilings(device, timer, info.stand_in)
     scale = runner.INTERPRETER_TOLERANCE_SCALE if info.interpreter else 1.0
     os.makedirs(args.out, exist_ok=True)
     partial = os.path.join(args.out, "results.csv")
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
 
     with stand_in:
         outcomes = runner.run(plan, backends, timer, tolerance_scale=scale, seed=args.seed, on_case=keep)
-    ceilings = better(ceilings, measure_ceilings(device, timer))
+    ceilings = better(ceilings, measure_ceilings(device, timer, info.stand_in))
 
     ab = (args.baseline, args.target) if args.baseline else _default_ab(backends)
     files = _write_reports(args.out, outcomes, info, ceilings, ab)

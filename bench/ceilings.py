@@ -1,7 +1,9 @@
 """The device's ceilings, measured in the same run as the kernels: a large copy and a large bf16 matmul.
 
 Absolute rates drift between machines of one kind (the H200 anchors saw 686 to 790 TFLOP/s), so every
-ratio the report gives is against these same-run numbers.
+ratio the report gives is against these same-run numbers. A stand-in run (the portable kernels as other GPUs
+get them) takes as its compute ceiling a plain Triton matmul compiled with the run's own settings
+(:mod:`.triton_matmul`), torch.mm's rate named beside it.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def better(a: Ceilings, b: Ceilings) -> Ceilings:
                     a.matmul_label)
 
 
-def measure_ceilings(device: torch.device, timer: Timer) -> Ceilings:
+def measure_ceilings(device: torch.device, timer: Timer, stand_in: str = "") -> Ceilings:
+    """``stand_in``: the stand-in of the run (``machine.stand_in``), "" for the shipped path."""
     copy_bytes, n = _CPU_SIZES if device.type == "cpu" else _ACCELERATOR_SIZES
     where = "host" if device.type == "cpu" else "device-to-device"
     src = torch.ones(copy_bytes, dtype=torch.uint8, device=device)
@@ -51,8 +54,16 @@ def measure_ceilings(device: torch.device, timer: Timer) -> Ceilings:
     b = torch.randn(n, n, device=device).to(torch.bfloat16)
     c = torch.empty_like(a)
     product = timer.measure(lambda: torch.mm(a, b, out=c), graph=False)
+    matmul = 2 * n ** 3 / (product.median_us * 1e-6) / 1e12
+    label = f"bf16 {n}x{n}x{n} torch.mm on {device.type}"
+    if stand_in and device.type == "cuda":
+        from .triton_matmul import CONFIGS, best_tflops
+        torch_mm = matmul
+        matmul = best_tflops(a, b, c, lambda fn: timer.measure(fn, graph=False).median_us)
+        label = (f"bf16 {n}x{n}x{n} Triton tl.dot matmul with this run's settings ({stand_in}), best of "
+                 f"{len(CONFIGS)} tiles; torch.mm {torch_mm:,.1f} TFLOP/s")
     return Ceilings(
         copy_gbps=2 * copy_bytes / (copy.median_us * 1e-6) / 1e9,
-        matmul_tflops=2 * n ** 3 / (product.median_us * 1e-6) / 1e12,
+        matmul_tflops=matmul,
         copy_label=f"{copy_bytes >> 20} MiB {where} copy, read + write",
-        matmul_label=f"bf16 {n}x{n}x{n} torch.mm on {device.type}")
+        matmul_label=label)

@@ -317,3 +317,26 @@ def test_mma_sync_on_the_command_line_sets_disable_mma_v3_before_triton_is_impor
     assert "stand-in: portable+mma.sync" in done.stdout
     with open(out / "results.csv") as f:
         assert {r["stand_in"] for r in csv.DictReader(f)} == {"portable+mma.sync"}
+
+
+
+@pytest.mark.skipif(not anymla.triton_kernels.runtime.interpreting() and not torch.cuda.is_available(),
+                    reason="Triton runs on a GPU or in its interpreter (TRITON_INTERPRET=1)")
+def test_the_stand_in_matmul_ceiling_computes_the_product(monkeypatch):
+    """The Triton matmul a stand-in run takes as its compute ceiling is a real product (grouped tiles, fp32
+    accumulation), and a rate is only reported for a correct one."""
+    from anymla.bench import triton_matmul
+    device = torch.device("cuda") if torch.cuda.is_available() else CPU
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(256, 128, generator=g).to(device, torch.bfloat16)
+    b = torch.randn(128, 384, generator=g).to(device, torch.bfloat16)
+    c = torch.full((256, 384), float("nan"), dtype=torch.bfloat16, device=device)
+    small = (64, 128, 32, 4, 1, 2)
+    triton_matmul.matmul(a, b, c, small)
+    torch.testing.assert_close(c.float(), a.float() @ b.float(), rtol=1e-2, atol=5e-2)
+    monkeypatch.setattr(triton_matmul, "CONFIGS", (small,))
+    assert triton_matmul.best_tflops(a, b, c, lambda fn: 1.0) == pytest.approx(2 * 256 * 128 * 384 / 1e-6 / 1e12)
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda x, y: real_mm(x, y) + 100.0)
+    with pytest.raises(RuntimeError, match="wrong product"):
+        triton_matmul.best_tflops(a, b, c, lambda fn: 1.0)

@@ -167,7 +167,7 @@ def row_offsets(slot, page, stride_block, stride_row, FMT: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, acc, INTERPRET: tl.constexpr):
+def dot_acc(a, b, acc, INTERPRET: tl.constexpr):
     # The interpreter multiplies raw bf16 bit patterns in tl.dot; fp32 operands are exact there.
     if INTERPRET:
         acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
@@ -187,9 +187,9 @@ def attend_block(q, qr, k, kr, mask, scale_log2, m_run, m_use, l, acc,
     ``mask [BH, BN]`` marks attendable (row, key) pairs; with ``MASKED=False`` every pair is attendable
     (the caller guarantees it) and the mask is ignored.
     """
-    s = _dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), tl.float32), INTERPRET)
+    s = dot_acc(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), tl.float32), INTERPRET)
     if HAS_ROPE:
-        s = _dot(qr, tl.trans(kr), s, INTERPRET)
+        s = dot_acc(qr, tl.trans(kr), s, INTERPRET)
     if MASKED:
         s = tl.where(mask, s * scale_log2, NEG)
     else:
@@ -214,7 +214,7 @@ def attend_block(q, qr, k, kr, mask, scale_log2, m_run, m_use, l, acc,
         p = tl.where(mask, p, 0.0)
     l += tl.sum(p, 1)
     if INTERPRET:
-        acc = _dot(p, k, acc, INTERPRET)
+        acc = dot_acc(p, k, acc, INTERPRET)
     else:
         acc = tl.dot(p.to(k.dtype), k, acc)
     return m_new, m_use, l, acc
