@@ -189,6 +189,111 @@ def test_matches_hf_deepseek_v32_sparse_attention_with_its_indexer():
         assert (dense[0] - outs[0]).abs().max() > 0.05 * outs[0].abs().max()
 
 
+
+def _v4_module(window: int):
+    """A Hugging Face DeepseekV4Attention of a sliding-window layer (small: 4 heads of 512, 2 output groups),
+    its rotary embedding, random weights and sinks."""
+    hf = _hf()
+    if not hasattr(hf, "DeepseekV4Config"):
+        pytest.skip(f"transformers {hf.__version__} has no DeepSeek V4 model")
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention, DeepseekV4RotaryEmbedding
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.125}
+    cfg = hf.DeepseekV4Config(hidden_size=64, num_attention_heads=4, q_lora_rank=32, o_groups=2, o_lora_rank=16,
+                              sliding_window=window, num_hidden_layers=1, layer_types=["sliding_attention"],
+                              max_position_embeddings=256, vocab_size=128,
+                              rope_parameters={"main": rope, "compress": dict(rope, rope_theta=160000.0)})
+    cfg._attn_implementation = "eager"
+    attn = DeepseekV4Attention(cfg, 0)
+    with torch.no_grad():
+        attn.sinks.copy_(torch.randn(4, generator=torch.Generator().manual_seed(3)))
+    return _randomize(attn, seed=13), DeepseekV4RotaryEmbedding(cfg)
+
+
+def _v4_reference(attn, rotary, x, rows=None):
+    """The module's eager output on ``x [1, S, hidden]`` (fp32; causal window mask as transformers builds it:
+    key k seen by query q when q - window < k <= q); with ``rows [S, 512]`` its roped kv rows are replaced by
+    them (the rows a quantized cache returns), through its kv norm's output rotated back."""
+    from anymla.layers.v4 import ROPE
+    s, w = x.shape[1], attn.sliding_window
+    pos = torch.arange(s)[None]
+    q, k = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    mask = torch.where((k <= q) & (k > q - w), 0.0, float("-inf"))[None, None]
+    hook = None
+    if rows is not None:
+        cos, sin = rotary(x, pos, layer_type="main")
+        unroped = rows.float().clone()
+        unroped[:, -ROPE:] = apply_rope(rows[:, -ROPE:], pos[0], RopeTable(cos[0], -sin[0], "interleaved"))
+        hook = attn.kv_norm.register_forward_hook(lambda m, i, out: unroped.view(out.shape))
+    try:
+        with torch.no_grad():
+            embeddings = {t: rotary(x, pos, layer_type=t) for t in ("main", "compress")}
+            out, _ = attn(x, embeddings, pos, mask)
+    finally:
+        if hook is not None:
+            hook.remove()
+    return out
+
+
+_V4_CACHES = {F.BF16: (512, torch.bfloat16), F.MODEL1_FP8: (584, torch.uint8), F.V41_FP8: (528, torch.uint8),
+              F.V41_FP4: (288, torch.uint8)}
+
+
+@pytest.mark.parametrize("tier", ["default", "triton"])
+@pytest.mark.parametrize("fmt", list(_V4_CACHES), ids=lambda f: f.name)
+def test_matches_hf_deepseek_v4_sliding_attention_prefill_and_decode(fmt, tier):
+    """V4 (shared K = V head of 512, sinks, a window of 6, grouped output projection): a prompt of 9 tokens,
+    then 7 decoding steps, over a paged cache of each V4 format, against the module (on the rows a quantized
+    cache returns); ``triton``: the cache writer, slots and attention on the Triton tier."""
+    import anymla
+    from anymla.layers import config_from_hf_v4, from_hf_v4
+    if tier == "triton" and "triton" not in anymla.available_backends(torch.device("cpu")):
+        pytest.skip("the Triton tier runs on the CPU only in its interpreter (TRITON_INTERPRET=1)")
+    attn, rotary = _v4_module(window=6)
+    assert config_from_hf_v4(attn).sliding_window == 6
+    layer = from_hf_v4(attn)
+    if tier == "triton":
+        layer.kernel_backend = layer.attention_backend = "triton"
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(1, 16, 64, generator=g).bfloat16().float()
+    page, nb = 4, 6
+    last, dtype = _V4_CACHES[fmt]
+    cache = torch.full((nb, page, 1, last), float("nan") if fmt is F.BF16 else 0xFF, dtype=dtype)
+    table = torch.randperm(nb, generator=g)[None].int()
+    pos = torch.arange(16)[None]
+    with torch.no_grad():
+        outs = [layer(x[:, :9].bfloat16(), pos[:, :9], cache, table)]
+        outs += [layer(x[:, t:t + 1].bfloat16(), pos[:, t:t + 1], cache, table) for t in range(9, 16)]
+    got = torch.cat(outs, 1)
+    rows = None if fmt is F.BF16 else gather_rows(cache, cache_slots(pos, table, page)[0])
+    _assert_matches(got, _v4_reference(attn, rotary, x, rows), rel_tol=2e-2 if tier == "triton" else 1.5e-2)
+    if fmt is not F.BF16:  # the quantization error only
+        _assert_matches(got, _v4_reference(attn, rotary, x), rel_tol=0.15 if fmt is F.V41_FP4 else 6e-2)
+
+
+def test_v4_window_and_sinks_matter_and_compressed_layers_are_refused():
+    """A wider window or no sinks gives another answer (the test above could not pass without them); a
+    compressed (CSA/HCA) layer is refused by name."""
+    from anymla.layers import from_hf_v4
+    attn, rotary = _v4_module(window=3)
+    x = torch.randn(1, 10, 64, generator=torch.Generator().manual_seed(4)).bfloat16().float()
+    cache = torch.full((3, 4, 1, 512), float("nan"), dtype=torch.bfloat16)
+    table = torch.arange(3)[None].int()
+    layer = from_hf_v4(attn)
+    with torch.no_grad():
+        got = layer(x.bfloat16(), torch.arange(10)[None], cache, table)
+    ref = _v4_reference(attn, rotary, x)
+    _assert_matches(got, ref)
+    wide, _ = _v4_module(window=10)
+    with torch.no_grad():
+        no_sinks = from_hf_v4(attn)
+        no_sinks.sinks.fill_(-float("inf"))
+        for other in (from_hf_v4(wide), no_sinks):
+            out = other(x.bfloat16(), torch.arange(10)[None], cache.clone(), table)
+            assert ((out.float() - ref).norm() / ref.norm()) > 0.05
+    attn.layer_type = "compressed_sparse_attention"
+    with pytest.raises(ValueError, match="sliding_attention"):
+        from_hf_v4(attn)
+
 @pytest.mark.parametrize("params", [DEFAULT, YARN], ids=["default", "yarn"])
 def test_rope_table_and_scale_match_hf(params):
     _hf()
