@@ -6,6 +6,7 @@
 #             reuse a build cat'ed back into .peers/FlashMLA/flash_mla/, or build it in the background (~100 s)
 #   hf        install transformers (the layer tests' real client) from wheels carried in .wheels/ (no index there)
 #   tests     pytest on the GPU ($TESTS: test paths and options, default the whole suite with CPU-sized grids;
+#             ANYMLA_HOPPER_KERNELS=0 runs it on the portable kernels, with DISABLE_MMA_V3=1 on the mma.sync path;
 #             $TESTS_K: a -k expression)
 #   overhead  python -m anymla.bench.overhead, in a fresh Triton cache (its cold-start part counts compiles)
 #   sweep     the harness's tile sweep ($SWEEP_SUITE, default tp; $SWEEP_CASES: case names, default all)

@@ -58,13 +58,15 @@ def mma_v3_disabled() -> bool:
 
 # The stand-ins for the GPUs other than Hopper that an H200 can measure (python -m anymla.bench --portable,
 # --mma-sync), and what each changes.
-STAND_INS = {"portable": "the Hopper kernels switched off (tuning.forced(warp_specialized=False))",
+STAND_INS = {"portable": "the Hopper kernels switched off (tuning.forced(warp_specialized=False), or "
+                         "ANYMLA_HOPPER_KERNELS=0 for the whole process)",
              "mma.sync": "DISABLE_MMA_V3=1: Triton lowers tl.dot to mma.sync (Ampere-class) instead of wgmma"}
 
 
 def stand_in(portable: bool) -> str:
     """The stand-ins in force, joined by "+" ("portable", "mma.sync", "portable+mma.sync"); "" for the shipped
-    path. ``portable``: the run switches the Hopper kernels off."""
+    path. ``portable``: the run switches the Hopper kernels off (ANYMLA_HOPPER_KERNELS=0 does it too)."""
+    portable = portable or os.environ.get("ANYMLA_HOPPER_KERNELS") == "0"
     return "+".join(name for name, on in (("portable", portable), ("mma.sync", mma_v3_disabled())) if on)
 
 

@@ -514,3 +514,20 @@ def test_a_launcher_keeps_no_tensor_of_the_calls_it_launched(monkeypatch):
     del out
     gc.collect()
     assert gone() is None
+
+
+def test_the_hopper_kernels_can_be_switched_off_for_a_whole_process():
+    """ANYMLA_HOPPER_KERNELS=0 (read at import): no Hopper kernel unless a scoped setting insists, and a bench run
+    calls itself the portable stand-in."""
+    code = ("from anymla.triton_kernels import tuning\n"
+            "from anymla.bench.machine import stand_in\n"
+            "assert tuning.forced_warp_specialized() is False\n"
+            "with tuning.forced(warp_specialized=True):\n"
+            "    assert tuning.forced_warp_specialized() is True\n"
+            "assert stand_in(False).startswith('portable')\n"
+            "print('ok')")
+    env = dict(os.environ, ANYMLA_HOPPER_KERNELS="0")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    from anymla.triton_kernels import tuning
+    assert tuning.forced_warp_specialized() is (False if os.environ.get("ANYMLA_HOPPER_KERNELS") == "0" else None)

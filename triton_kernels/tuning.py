@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -64,8 +65,15 @@ def forced_portable() -> Optional[bool]:
     return _forced("portable")
 
 
+# ANYMLA_HOPPER_KERNELS=0 (read when anymla is imported) switches the Hopper kernels off for the whole process:
+# a Hopper GPU then runs every call on the portable kernels, as the other GPUs do (the stand-in of
+# `bench --portable`, for whole test suites). A scoped tuning.forced(warp_specialized=...) still wins.
+_HOPPER_OFF_BY_ENV = os.environ.get("ANYMLA_HOPPER_KERNELS") == "0"
+
+
 def forced_warp_specialized() -> Optional[bool]:
-    return _forced("warp_specialized")
+    scoped = _forced("warp_specialized")
+    return False if scoped is None and _HOPPER_OFF_BY_ENV else scoped
 
 
 def _rows_block(rows: int, cap: int) -> int:

@@ -25,7 +25,7 @@ def _device_reasons(device: torch.device, tile: TileConfig, op: str = "") -> lis
     ``tuning.HOPPER_FEW_ROWS`` says whether they take calls of fewer than 33 rows a kv head (their 64-row tile
     then masks the rows past h_q); forcing them takes such calls whatever it says (sweeps)."""
     if forced_warp_specialized() is False:
-        return ["turned off (tuning.forced(warp_specialized=False))"]
+        return ["turned off (tuning.forced(warp_specialized=False), or ANYMLA_HOPPER_KERNELS=0)"]
     kind = runtime.device_kind(device)
     if kind != "cuda_sm90":
         here = {"interpret": "Triton's interpreter", "npu": "an Ascend NPU", "rocm": "an AMD GPU"}.get(kind)
