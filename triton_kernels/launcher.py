@@ -174,11 +174,10 @@ class _Direct:
         out, start = [], 0
         for pos, meta in zip(self.positions, self._metas):
             desc = args[pos]
-            kept = self._cache.get(id(desc))
+            # the latest descriptor a position saw (the one its plan's LatestDescriptors keeps alive anyway)
+            kept = self._cache.get(pos)
             if kept is None or kept[0] is not desc:
-                if len(self._cache) >= 8:
-                    self._cache.clear()
-                kept = self._cache[id(desc)] = (desc, self._expand(desc, meta))
+                kept = self._cache[pos] = (desc, self._expand(desc, meta))
             out += args[start:pos]
             out += kept[1]
             start = pos + 1
