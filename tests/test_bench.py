@@ -190,6 +190,24 @@ def test_csv_has_one_row_per_shape_and_backend(tmp_path):
         assert r["dispatcher_choice"] in backends and r["fastest"] in backends
 
 
+
+def test_the_plot_marks_eager_speed_where_it_was_timed(tmp_path, monkeypatch):
+    """Each timed bar gets a mark at its eager speed (GPU runs time both; on the CPU there is none to mark)."""
+    import dataclasses
+    import matplotlib.axes
+    from anymla.bench.plot import plot_suite
+    outcomes = _outcomes(["reference"])
+    ceilings = Ceilings(10.0, 0.1, "test copy", "test matmul")
+    r = outcomes[0].results[0]
+    r.timing = dataclasses.replace(r.timing, eager_us=2 * r.timing.median_us)
+    marked = []
+    real = matplotlib.axes.Axes.scatter
+    monkeypatch.setattr(matplotlib.axes.Axes, "scatter", lambda ax, x, y, **kw: marked.append((x, y)) or real(ax, x, y, **kw))
+    plot_suite(str(tmp_path / "p.png"), "test", outcomes, describe(CPU), ceilings)
+    assert (tmp_path / "p.png").stat().st_size > 0
+    gpu = 100 * model.rates(outcomes[0].cost, r.timing.median_us, ceilings).frac_of_floor
+    assert len(marked) == 1 and len(marked[0][1]) == 1 and marked[0][1][0] == pytest.approx(gpu / 2)
+
 def test_tune_writes_a_file_the_dispatcher_reads(tmp_path):
     outcomes = _outcomes(["reference"])
     path = str(tmp_path / "tuning.json")
