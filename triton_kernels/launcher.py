@@ -7,7 +7,9 @@ specialization can still vary on between calls of that signature is which pointe
 Its first call with an alignment pattern goes through ``fn[grid]`` (compiling if needed) and keeps the
 compiled kernel; later calls hand the arguments straight to that kernel's launcher. The argument list itself
 is mostly fixed by the plan too (strides, sizes, constexprs): :meth:`Launcher.bind` keeps the first call's
-list and fills in only what a call brings (its tensors, float scalars and tensor-memory descriptors).
+list and fills in only what a call brings (its tensors, float scalars and tensor-memory descriptors). The
+compiled kernel gets each tensor as its address and each descriptor encoded once (:class:`_Direct`), which
+spares Triton's C launcher a driver query a tensor and an encoding a descriptor on every launch.
 
 Launch hooks (profilers read launches there) are handed to the compiled kernel as Triton's own launch hands
 them, with the launch metadata computed only while one is installed. There is no fast path (every call
