@@ -73,10 +73,10 @@ def _rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> to
 
 
 def _rope_tail(x: torch.Tensor, positions: torch.Tensor, table: RopeTable) -> torch.Tensor:
-    """``x [..., 512]`` with its trailing 64 channels rotated at ``positions`` (interleaved pairs, fp32 math)."""
-    out = x.clone()
-    out[..., -ROPE:] = apply_rope(x[..., -ROPE:], positions, table).to(x.dtype)
-    return out
+    """Rotate the trailing 64 channels of ``x [..., 512]`` at ``positions`` in place (interleaved pairs, fp32
+    math; ``x`` is the layer's own intermediate) and return it."""
+    x[..., -ROPE:] = apply_rope(x[..., -ROPE:], positions, table).to(x.dtype)
+    return x
 
 
 class V4Attention(torch.nn.Module):
@@ -107,6 +107,7 @@ class V4Attention(torch.nn.Module):
                                 c.max_position_embeddings, device)
         self.register_buffer("rope_cos", table.cos)
         self.register_buffer("rope_sin", table.sin)
+        self.register_buffer("rope_sin_back", -table.sin)  # the rotation by minus the angle (the output's rope)
         self.kernel_backend: Optional[str] = None
         self.attention_backend: Optional[str] = None
         self._plans: dict = {}  # call signature -> (cache format, scheduling metadata, window offsets)
@@ -178,8 +179,8 @@ class V4Attention(torch.nn.Module):
                                           softmax_scale=c.softmax_scale, is_fp8_kvcache=fmt.is_quantized,
                                           indices=slots, attn_sink=self.sinks, backend=self.attention_backend)
         # K = V: the output's rope channels carry the keys' rotations; rotate them back by the query's angle
-        inverse = RopeTable(self.rope_cos, -self.rope_sin, "interleaved")
-        o = _rope_tail(o.reshape(t, h, HEAD_DIM), pos[:, None], inverse)
+        o = _rope_tail(o.reshape(t, h, HEAD_DIM), pos[:, None], RopeTable(self.rope_cos, self.rope_sin_back,
+                                                                          "interleaved"))
         g = c.o_groups
         grouped = torch.bmm(o.reshape(t, g, -1).transpose(0, 1), self.w_o_a_t)  # [groups, t, o_lora_rank]
         mixed = grouped.transpose(0, 1).reshape(t, g * c.o_lora_rank)

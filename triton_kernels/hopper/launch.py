@@ -207,7 +207,7 @@ class SparseDecodeLaunch:
         """``call``: the call's tensors (``sparse_mla.launch.CallTensors``); ``typed()``: ``(q, main, extra, out,
         lse)`` as the kernel is compiled for, built only when the launcher needs the whole argument list."""
         c = call
-        x_kv, x_idx, x_len = (c.kv, c.indices, c.length) if c.x_kv is None else (c.x_kv, c.x_indices, c.x_length)
+        x_kv, x_idx, x_len = c.x_source()
         po, plse = (None, None) if ws is None else (ws.partial_out, ws.partial_lse)
         scale = sm_scale * math.log2(math.e)
         values = (c.q, c.kv, c.indices, c.length, x_kv, x_idx, x_len, c.sink, c.out, c.lse, po, plse, scale)

@@ -74,7 +74,7 @@ class _Portable:
         po, plse = (None, None) if ws is None else (ws.partial_out, ws.partial_lse)
         scale = sm_scale * math.log2(math.e)
         c = call
-        x_idx, x_len, x_kv = (c.indices, c.length, c.kv) if c.x_kv is None else (c.x_indices, c.x_length, c.x_kv)
+        x_kv, x_idx, x_len = c.x_source()
         values = (c.q, c.indices, c.length, c.kv, x_idx, x_len, x_kv, c.sink, c.out, c.lse, c.max_logits, po, plse,
                   scale)
 
@@ -110,6 +110,12 @@ class CallTensors(NamedTuple):
     out: torch.Tensor
     lse: torch.Tensor
     max_logits: Optional[torch.Tensor]
+
+    def x_source(self) -> tuple:
+        """``(kv, indices, length)`` of the extra cache; the main cache's where there is none (the kernels
+        then attend no extra key, but their pointer arguments must still be valid)."""
+        return (self.kv, self.indices, self.length) if self.x_kv is None else \
+            (self.x_kv, self.x_indices, self.x_length)
 
 
 def _as_read(t: Optional[torch.Tensor], to_kernel) -> Callable:
