@@ -293,6 +293,33 @@ WARP_SPECIALIZED_DECODE += [
 ]
 
 
+# Tensor-parallel head counts: the few-head form (16 or 32 heads a program, hopper/few_heads.py), its heads past
+# h_q masked, every format and pairing, tails, splits, empty and invalid-only tokens
+WARP_SPECIALIZED_DECODE += [dict(fmt=F.V32_FP8, h_q=h, s_k=s_k, topk=k, page=page, b=3, s_q=s_q, sink=extras,
+                                 topk_length=extras)
+                            for h in (32, 16, 8, 5) for (s_k, k, page) in ((512, 64, 2), (2046, 2048, 64), (650, 100, 53))
+                            for s_q, extras in ((1, False), (2, True))]
+WARP_SPECIALIZED_DECODE += [dict(fmt=F.V41_FP8, h_q=h, s_k=1024, topk=576, page=61, b=3, s_q=s_q, sink=extras,
+                                 topk_length=extras, extra=x)
+                            for h in (16, 8) for s_q, extras in ((1, False), (2, True))
+                            for x in (None, dict(fmt=F.V41_FP4, page=64, s_k=600, topk=512, topk_length=True),
+                                      dict(fmt=F.V41_FP8, page=5, s_k=150, topk=100))]
+WARP_SPECIALIZED_DECODE += [dict(fmt=F.MODEL1_FP8, h_q=h, s_k=s_k, topk=k, page=page, b=3, s_q=2, sink=True,
+                                 topk_length=True, extra=x)
+                            for h in (32, 16, 3) for (s_k, k, page) in ((1024, 128, 256), (2046, 2048, 64))
+                            for x in (None, dict(fmt=F.MODEL1_FP8, page=64, s_k=600, topk=512, topk_length=True))]
+WARP_SPECIALIZED_DECODE += [
+    dict(fmt=F.V32_FP8, h_q=16, s_k=300, topk=64, page=16, b=2, s_q=3, all_invalid=True, sink=True),
+    dict(fmt=F.V32_FP8, h_q=8, s_k=300, topk=128, page=16, b=6, s_q=1, zero_len_frac=0.5, sink=True),
+    dict(fmt=F.V32_FP8, h_q=16, s_k=300, topk=192, page=256, b=3, s_q=2, shuffle_invalid=True),  # leading -1
+    dict(fmt=F.V32_FP8, h_q=24, s_k=100, topk=64, page=16, b=2, s_q=1, block_pad=3),  # non-packed blocks
+    dict(fmt=F.V41_FP8, h_q=16, s_k=300, topk=64, page=16, b=2, s_q=3, all_invalid=True, sink=True,
+         extra=dict(fmt=F.V41_FP4, page=2, s_k=200, topk=64)),
+    dict(fmt=F.MODEL1_FP8, h_q=16, s_k=300, topk=192, page=5, b=3, s_q=2, shuffle_invalid=True,
+         extra=dict(fmt=F.MODEL1_FP8, page=64, s_k=200, topk=64)),
+]
+
+
 @pytest.mark.parametrize("splits", (1, 3, 16), ids=lambda n: f"splits{n}")
 @pytest.mark.parametrize("case", WARP_SPECIALIZED_DECODE, ids=_decode_id)
 def test_warp_specialized_sparse_decode(backend, case, splits, tol_scale, device):

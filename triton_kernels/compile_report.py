@@ -236,12 +236,20 @@ def hopper_reports() -> list:
              dict(D_QK=512, FMT=2, X_FMT=2, HAS_X=False, HAS_LEN=True, HAS_X_LEN=False, **decode)),
             ("hopper decode model1+x", kernels.sparse_decode_hopper_kernel, decode_ptrs,
              dict(D_QK=512, FMT=2, X_FMT=2, HAS_X=True, HAS_LEN=True, HAS_X_LEN=True, **decode))]
+    few = kernels.sparse_decode_few_heads_kernel
+    jobs += [(f"hopper few-head {label} h{heads}", few, decode_ptrs,
+              dict(D_QK=d, FMT=fmt, X_FMT=x_fmt, HAS_X=has_x, HAS_LEN=True, HAS_X_LEN=has_x, HEADS=heads, **decode))
+             for label, d, fmt, x_fmt, has_x in (("v32", 576, 1, 1, False), ("v41+fp4", 512, 3, 4, True),
+                                                 ("model1+x", 512, 2, 2, True))
+             for heads in (16, 32)]
     # Spills allowed: a few bytes, except in the V4.1 + FP4 decoding kernel, whose FP4 loop spills ~0.6-0.8 KB
     # and still beat the portable kernel on the H200 (sparse_mla/NOTES.md run 27), and in the MODEL1 kernel
     # with a MODEL1 extra cache (212 bytes on Triton 3.7.1, 196 on 3.6, almost all outside the loops; in the
     # extra cache's loop ~25 reloads of q's matrix descriptors a block of ~1700 instructions): the second
     # source's loop no longer holds in registers what the first one did. More is a regression.
-    budgets = {"hopper decode v41+fp4": 1024, "hopper decode model1+x": 256}
+    # The few-head kernel's FP4 workers hold a whole block's fp32 values at once (1.0-1.5 KB spilled).
+    budgets = {"hopper decode v41+fp4": 1024, "hopper decode model1+x": 256, "hopper few-head v41+fp4 h16": 1536,
+               "hopper few-head v41+fp4 h32": 2048, "hopper few-head model1+x h32": 256}
     return [(label, report(kernel, ptrs, consts, 4, ARCHS["90"], GluonASTSource, maxnreg=REGS.value),
              budgets.get(label, 64)) for label, kernel, ptrs, consts in jobs]
 

@@ -28,7 +28,6 @@ from . import fit, tuning
 from .tuning import TileConfig
 
 
-
 class Config(NamedTuple):
     """One configuration of a sweep; None leaves that choice to the launcher."""
     tile: Optional[TileConfig] = None
@@ -58,20 +57,15 @@ SWEEP = {
 _FEW_HEADS = [Config(TileConfig(16, bn, 4, st, False)) for bn, st in ((64, 2), (32, 4), (32, 6), (16, 8))]
 SWEEP.update({name: _FEW_HEADS for name in ("v32-decode-h16", "v32-decode-h8", "v4-decode-h16", "v4-decode-h8",
                                              "v32-prefill-h16")})
-# The tp suite (issue 14). Few-head decoding dequantizes as many bytes per token as 128 heads do with a quarter
-# of the warps a multiprocessor can hold busy (one 4-warp program of 6 stages takes ~130 KB of shared memory):
-# more warps per program, or shallower programs of which several fit, and more splits to fill them.
-_FEW_HEAD_DECODE = ([Config(), Config(warp_specialized=True), Config(splits=2, warp_specialized=True)] +
-                    [Config(TileConfig(16, bn, w, st, False), sp) for bn, w, st in
-                     ((32, 8, 3), (32, 8, 4), (64, 8, 2), (16, 4, 4), (32, 4, 3), (16, 8, 6)) for sp in (None, 4)])
+# The tp suite (issue 14): the Hopper decoding kernel's programs of 16, 32 (hopper/few_heads.py) or 64 heads (a
+# forced 12-warp tile's block_h picks them), with and without 2 splits.
+_FEW_HEAD_DECODE = [Config(), Config(splits=2)] + [Config(TileConfig(h, 64, 12, 2, False), sp, warp_specialized=True)
+                                                   for h in (16, 32, 64) for sp in (None, 2)]
 _FEW_HEAD_PREFILL = [Config(), Config(warp_specialized=False)]
 SWEEP.update({name: _FEW_HEAD_DECODE for name in ("tp-sdecode-v32-b128-h16", "tp-sdecode-v32-b128-h8",
-                                                  "tp-sdecode-v41+fp4-b128-h16")})
-SWEEP["tp-sdecode-model1-b128-h16"] = [Config(), Config(splits=2), Config(warp_specialized=False)]
+                                                  "tp-sdecode-v41+fp4-b128-h16", "tp-sdecode-model1-b128-h16")})
 SWEEP.update({"tp-prefill-h16-d576": _FEW_HEAD_PREFILL, "tp-prefill-h32-d512": _FEW_HEAD_PREFILL,
-              "tp-sdecode-v32-b128-h32": [Config(), Config(TileConfig(32, 32, 8, 3, False)),
-                                          Config(TileConfig(32, 32, 8, 3, False), 4),
-                                          Config(TileConfig(32, 64, 8, 2, False))],
+              "tp-sdecode-v32-b128-h32": _FEW_HEAD_DECODE,
               "model1-config1-b128-sq2-h64": [Config(), Config(warp_specialized=False), Config(splits=1),
                                               Config(splits=2)],
               "model1-config2-b128-sq2-h128": [Config(), Config(warp_specialized=False), Config(splits=1)]})

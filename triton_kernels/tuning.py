@@ -242,6 +242,26 @@ HOPPER_FEW_ROWS = {
 }
 
 
+# Heads a program of the Hopper sparse decoding kernels takes: the smallest entry that holds the call's heads,
+# with the measurement behind it (the few-head kernel, hopper/few_heads.py, for 16 and 32), else 64
+# (hopper/dequant.py, its tile masking the heads past h_q). A forced 12-warp tile's block_h picks one instead.
+HOPPER_DECODE_HEADS = (
+    (16, "few-head kernel (keys as the matrix ops' rows, two dequantizing warpgroups); not yet measured"),
+    (32, "few-head kernel (keys as the matrix ops' rows, two dequantizing warpgroups); not yet measured"),
+)
+
+
+def hopper_decode_heads(h_q: int) -> tuple[int, str]:
+    """(heads a Hopper decoding program takes, why) for ``h_q`` query heads a token."""
+    tile = forced_tile()
+    if tile is not None and tile.num_warps == 12:
+        return tile.block_h, "forced"
+    for heads, why in HOPPER_DECODE_HEADS:
+        if h_q <= heads:
+            return heads, why
+    return 64, "64-head programs"
+
+
 def warp_specialized_config() -> Optional[TileConfig]:
     """The tile of the Hopper kernels, or None when a tile meant for the portable kernels is forced (the
     Hopper kernels' tiles are told apart by their 12 warps)."""

@@ -171,14 +171,21 @@ def _model1_scales(words):
 
 
 @gluon.jit
-def _copy_rope(kr_stage, kv_ptr, slots, stride_block, stride_row, page):
-    """V3.2: start the copies of a block's bf16 rope tails into ``kr_stage`` (16 bytes a piece); rows of slot -1
-    are zero-filled and read nothing."""
+def _rope_pointers(kv_ptr, slots, stride_block, stride_row, page):
+    """V3.2: the addresses ``[rows, 64]`` (bf16, ``ROWS_LAYOUT``: 16 bytes a thread) of a block's rope tails and
+    which of them to read (not those of slot -1)."""
     slots = gl.convert_layout(slots, gl.SliceLayout(1, ROWS_LAYOUT))
     base = gl.expand_dims(_row_bytes(slots, stride_block, stride_row, page) + ROPE_AT, 1)
     cols = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, ROWS_LAYOUT)), 0)
-    src = (kv_ptr + base).to(gl.pointer_type(kr_stage.dtype)) + cols
-    async_copy.async_copy_global_to_shared(kr_stage, src, mask=gl.expand_dims(slots >= 0, 1) & (cols >= 0))
+    return (kv_ptr + base).to(gl.pointer_type(gl.bfloat16)) + cols, gl.expand_dims(slots >= 0, 1) & (cols >= 0)
+
+
+@gluon.jit
+def _copy_rope(kr_stage, kv_ptr, slots, stride_block, stride_row, page):
+    """V3.2: start the copies of a block's bf16 rope tails into ``kr_stage`` (16 bytes a piece); rows of slot -1
+    are zero-filled and read nothing."""
+    src, ok = _rope_pointers(kv_ptr, slots, stride_block, stride_row, page)
+    async_copy.async_copy_global_to_shared(kr_stage, src, mask=ok)
     async_copy.commit_group()
 
 

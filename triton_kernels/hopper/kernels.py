@@ -1,5 +1,6 @@
 """The Hopper (sm_90) kernels, in Gluon: dense decoding over a paged bf16/fp16 cache, sparse prefill and
-sparse decoding over V3.2, V4.1 and MODEL1 quantized caches (``dequant.py``).
+sparse decoding over V3.2, V4.1 and MODEL1 quantized caches (``dequant.py``; ``few_heads.py`` for at most 32
+heads a token).
 
 Each entry point maps its program to 64 query rows and a key range, stages the queries in shared memory and
 forks into the partitions of ``partitions.py``. Why these kernels exist next to the portable ones, what was
@@ -10,6 +11,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from .dequant import OUTPUT_REGS, dequant_softmax_partition
+from .few_heads import allocate_few_heads, attend_partition, fill_even, fill_odd, worker_regs
 from .partitions import (BLOCK_H, FILL_BY_SOFTMAX, FILL_GATHER, FILL_PAGES, REGS, VECTOR_LAYOUT, allocate,
                          load_queries, output_hi, output_lo, softmax_partition)
 
@@ -95,22 +97,15 @@ def sparse_prefill_hopper_kernel(
     ], [4, 4], [REGS, REGS])
 
 
-@gluon.jit(do_not_specialize=["num_splits"])
-def sparse_decode_hopper_kernel(
-        q_ptr, sq_t, sq_h, kv_ptr, kv_sb, kv_sr, page, n_rows, idx_ptr, si_t, topk, len_ptr,
-        x_kv_ptr, x_sb, x_sr, x_page, x_rows, x_idx_ptr, sxi_t, x_topk, x_len_ptr, len_div, sink_ptr,
-        out_ptr, so_t, so_h, lse_ptr, sl_t, po_ptr, plse_ptr, h_q, hb_per_token, num_splits, scale_log2,
-        D_QK: gl.constexpr, FMT: gl.constexpr, X_FMT: gl.constexpr, HAS_X: gl.constexpr, HAS_LEN: gl.constexpr,
-        HAS_X_LEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
-        K_LAYOUT: gl.constexpr, R_LAYOUT: gl.constexpr):
-    """Program ``(token * head_blocks + head_block, split)``: 64 heads of one decoding token over one split's
-    key blocks: the token's ``topk`` slots in the quantized cache ``kv_ptr`` (bytes), then its ``x_topk``
-    slots in the extra cache; positions past ``topk_length[token // len_div]`` (and the extra one) are never
-    visited. Writes out and lse, or the split's partial."""
-    pid = gl.program_id(0)
-    split = gl.program_id(1)
-    t = pid // hb_per_token
-    r0 = (pid % hb_per_token) * BLOCK_H
+@gluon.jit
+def _decode_sources(kv_ptr, kv_sb, kv_sr, page, n_rows, idx_ptr, si_t, topk, len_ptr,
+                    x_kv_ptr, x_sb, x_sr, x_page, x_rows, x_idx_ptr, sxi_t, x_topk, x_len_ptr, len_div, t, split,
+                    num_splits, BLOCK_N: gl.constexpr, HAS_X: gl.constexpr, HAS_LEN: gl.constexpr,
+                    HAS_X_LEN: gl.constexpr):
+    """A decoding program's sources ``(main, extra)``, each ``(kv_ptr, stride_block, stride_row, page, n_rows,
+    idx_row_ptr, end, j0, j1)``: the token's key blocks of split ``split``, main cache's first, then the extra
+    cache's; positions past ``topk_length[t // len_div]`` (and the extra one) are never visited. Also the
+    split's first block and its end, in the program's numbering."""
     n_main = topk
     if HAS_LEN:
         n_main = gl.maximum(gl.minimum(topk, gl.load(len_ptr + t // len_div)), 0)
@@ -124,25 +119,83 @@ def sparse_decode_hopper_kernel(
     per_split = gl.cdiv(total, num_splits)
     b0 = split * per_split
     b1 = gl.minimum(b0 + per_split, total)
-
-    q_smem, qr_smem, bufs, bars = allocate(q_ptr.dtype.element_ty, BLOCK_N, D_QK, 2, K_LAYOUT, R_LAYOUT, False)
-    heads = r0 + gl.arange(0, BLOCK_H, layout=VECTOR_LAYOUT)
-    load_queries(q_ptr, t.to(gl.int64) * sq_t + heads * sq_h, heads < h_q, q_smem, qr_smem, D_QK)
-
-    # The dense epilogue's arguments with one query a program (rows = heads): out [tokens, h_q, 512], lse
-    # [tokens, h_q], partials [tokens, splits, h_q, ...].
-    out_args = (h_q, out_ptr, so_t, 0, so_h, lse_ptr, sl_t, 0, 1, po_ptr, plse_ptr, sink_ptr,
-                t, r0, 1, h_q, h_q, num_splits, split)
-    sched = (0, 0, 0, 0, 0, 0, 0, 0, 0, b0, b1, 0)  # the output partitions read the block range only
     t64 = t.to(gl.int64)
     m1 = gl.minimum(b1, nb_main)
     main = (kv_ptr, kv_sb, kv_sr, page, n_rows, idx_ptr + t64 * si_t, gl.minimum(n_main, m1 * BLOCK_N), b0, m1)
     x0 = gl.maximum(b0, nb_main) - nb_main
     x1 = b1 - nb_main
     extra = (x_kv_ptr, x_sb, x_sr, x_page, x_rows, x_idx_ptr + t64 * sxi_t, gl.minimum(n_x, x1 * BLOCK_N), x0, x1)
+    return main, extra, b0, b1
+
+
+@gluon.jit(do_not_specialize=["num_splits"])
+def sparse_decode_hopper_kernel(
+        q_ptr, sq_t, sq_h, kv_ptr, kv_sb, kv_sr, page, n_rows, idx_ptr, si_t, topk, len_ptr,
+        x_kv_ptr, x_sb, x_sr, x_page, x_rows, x_idx_ptr, sxi_t, x_topk, x_len_ptr, len_div, sink_ptr,
+        out_ptr, so_t, so_h, lse_ptr, sl_t, po_ptr, plse_ptr, h_q, hb_per_token, num_splits, scale_log2,
+        D_QK: gl.constexpr, FMT: gl.constexpr, X_FMT: gl.constexpr, HAS_X: gl.constexpr, HAS_LEN: gl.constexpr,
+        HAS_X_LEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
+        K_LAYOUT: gl.constexpr, R_LAYOUT: gl.constexpr):
+    """Program ``(token * head_blocks + head_block, split)``: 64 heads of one decoding token over one split's
+    key blocks (``_decode_sources``): the token's ``topk`` slots in the quantized cache ``kv_ptr`` (bytes),
+    then its ``x_topk`` slots in the extra cache. Writes out and lse, or the split's partial."""
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    t = pid // hb_per_token
+    r0 = (pid % hb_per_token) * BLOCK_H
+    main, extra, b0, b1 = _decode_sources(kv_ptr, kv_sb, kv_sr, page, n_rows, idx_ptr, si_t, topk, len_ptr,
+                                          x_kv_ptr, x_sb, x_sr, x_page, x_rows, x_idx_ptr, sxi_t, x_topk, x_len_ptr,
+                                          len_div, t, split, num_splits, BLOCK_N, HAS_X, HAS_LEN, HAS_X_LEN)
+
+    q_smem, qr_smem, bufs, bars = allocate(q_ptr.dtype.element_ty, BLOCK_N, D_QK, 2, K_LAYOUT, R_LAYOUT, False)
+    heads = r0 + gl.arange(0, BLOCK_H, layout=VECTOR_LAYOUT)
+    load_queries(q_ptr, t.to(gl.int64) * sq_t + heads * sq_h, heads < h_q, q_smem, qr_smem, D_QK)
+
+    out_args = _decode_out_args(out_ptr, so_t, so_h, lse_ptr, sl_t, po_ptr, plse_ptr, sink_ptr, h_q, t, r0,
+                                num_splits, split)
+    sched = (0, 0, 0, 0, 0, 0, 0, 0, 0, b0, b1, 0)  # the output partitions read the block range only
     gl.warp_specialize([
         (dequant_softmax_partition, (q_smem, qr_smem, bufs, bars, main, extra, scale_log2, D_QK, FMT, X_FMT,
                                      HAS_X)),
         (output_lo, (bufs, bars, sched, out_args, D_QK, 2, FILL_BY_SOFTMAX, SPLIT, HAS_SINK)),
         (output_hi, (bufs, bars, sched, out_args, D_QK, 2, FILL_BY_SOFTMAX, SPLIT, HAS_SINK)),
     ], [4, 4], [OUTPUT_REGS, OUTPUT_REGS])
+
+
+@gluon.jit
+def _decode_out_args(out_ptr, so_t, so_h, lse_ptr, sl_t, po_ptr, plse_ptr, sink_ptr, h_q, t, r0, num_splits, split):
+    """The dense epilogue's arguments with one query a program (rows = heads): out [tokens, h_q, 512], lse
+    [tokens, h_q], partials [tokens, splits, h_q, ...]."""
+    return (h_q, out_ptr, so_t, 0, so_h, lse_ptr, sl_t, 0, 1, po_ptr, plse_ptr, sink_ptr,
+            t, r0, 1, h_q, h_q, num_splits, split)
+
+
+@gluon.jit(do_not_specialize=["num_splits"])
+def sparse_decode_few_heads_kernel(
+        q_ptr, sq_t, sq_h, kv_ptr, kv_sb, kv_sr, page, n_rows, idx_ptr, si_t, topk, len_ptr,
+        x_kv_ptr, x_sb, x_sr, x_page, x_rows, x_idx_ptr, sxi_t, x_topk, x_len_ptr, len_div, sink_ptr,
+        out_ptr, so_t, so_h, lse_ptr, sl_t, po_ptr, plse_ptr, h_q, hb_per_token, num_splits, scale_log2,
+        D_QK: gl.constexpr, FMT: gl.constexpr, X_FMT: gl.constexpr, HAS_X: gl.constexpr, HAS_LEN: gl.constexpr,
+        HAS_X_LEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
+        K_LAYOUT: gl.constexpr, R_LAYOUT: gl.constexpr, HEADS: gl.constexpr):
+    """``sparse_decode_hopper_kernel``'s call with HEADS (16 or 32) heads a program instead of 64
+    (``few_heads.py``)."""
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    t = pid // hb_per_token
+    r0 = (pid % hb_per_token) * HEADS
+    main, extra, b0, b1 = _decode_sources(kv_ptr, kv_sb, kv_sr, page, n_rows, idx_ptr, si_t, topk, len_ptr,
+                                          x_kv_ptr, x_sb, x_sr, x_page, x_rows, x_idx_ptr, sxi_t, x_topk, x_len_ptr,
+                                          len_div, t, split, num_splits, BLOCK_N, HAS_X, HAS_LEN, HAS_X_LEN)
+    q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty = allocate_few_heads(HEADS, BLOCK_N, D_QK, K_LAYOUT,
+                                                                                R_LAYOUT)
+    heads = r0 + gl.arange(0, HEADS, layout=VECTOR_LAYOUT)
+    load_queries(q_ptr, t.to(gl.int64) * sq_t + heads * sq_h, heads < h_q, q_smem, qr_smem, D_QK)
+    out_args = _decode_out_args(out_ptr, so_t, so_h, lse_ptr, sl_t, po_ptr, plse_ptr, sink_ptr, h_q, t, r0,
+                                num_splits, split)
+    gl.warp_specialize([
+        (attend_partition, (q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, main, extra, scale_log2,
+                            out_args, D_QK, HAS_X, SPLIT, HAS_SINK)),
+        (fill_even, (k_smem, kr_smem, ready, empty, main, extra, FMT, X_FMT, HAS_X)),
+        (fill_odd, (k_smem, kr_smem, ready, empty, main, extra, FMT, X_FMT, HAS_X)),
+    ], [4, 4], [worker_regs(HEADS), worker_regs(HEADS)])

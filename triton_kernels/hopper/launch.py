@@ -8,6 +8,7 @@ not fit).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -17,7 +18,8 @@ from anymla.kvcache import KVCacheFormat
 
 from .. import runtime
 from ..launcher import LatestDescriptors, Launcher
-from ..tuning import HOPPER_FEW_ROWS, TileConfig, forced_tma, forced_warp_specialized, warp_specialized_config
+from ..tuning import (HOPPER_FEW_ROWS, TileConfig, forced_tma, forced_warp_specialized, hopper_decode_heads,
+                      warp_specialized_config)
 
 
 def _device_reasons(device: torch.device, tile: TileConfig, op: str = "") -> list[str]:
@@ -114,11 +116,12 @@ def use(reasons: list[str]) -> bool:
     return not reasons
 
 
-def describe(reasons: list[str], portable: str, tile: TileConfig, num_splits: int) -> str:
-    """``explain()``'s kernel line: which kernel the Triton tier runs and why not the other, its tile (the
-    portable kernel's as planned; a first launch may shrink it to fit) and its split count."""
+def describe(reasons: list[str], portable: str, tile: TileConfig, num_splits: int, form: str = "") -> str:
+    """``explain()``'s kernel line: which kernel the Triton tier runs (the Hopper kernel's ``form`` where it
+    has several) and why not the other, its tile (the portable kernel's as planned; a first launch may shrink
+    it to fit) and its split count."""
     if not reasons:
-        text = "the warp-specialized Hopper kernel (triton_kernels/hopper/)"
+        text = "the warp-specialized Hopper kernel (triton_kernels/hopper/)" + (f", {form}" if form else "")
     else:
         text = (f"the portable {portable} kernel (tile {tile.block_h} rows x {tile.block_n} keys, "
                 f"{tile.num_stages} stages, {tile.num_warps} warps); not the Hopper one: " + "; ".join(reasons))
@@ -186,22 +189,35 @@ class SparsePrefillLaunch:
             self.hb, scale, *self.constexprs])
 
 
+def sparse_decode_shape(h_q: int) -> tuple[TileConfig, str]:
+    """The programs of the Hopper decoding kernel for ``h_q`` heads a token (their heads as ``block_h``) and
+    which kernel that is, with why (``tuning.hopper_decode_heads``)."""
+    heads, why = hopper_decode_heads(h_q)
+    tile = dataclasses.replace(warp_specialized_config(), block_h=heads)
+    if heads == 64:
+        return tile, "64 heads a program"
+    return tile, f"its few-head form (hopper/few_heads.py), {heads} heads a program: {why}"
+
+
 class SparseDecodeLaunch:
     """The Hopper sparse decoding kernel's launch for one plan: ``q [tokens, h_q, d_qk]`` over the slots of a
     quantized cache and, if given, those of an extra cache (``sparse_mla.launch.Source``: bytes, paging,
     indices, lengths indexed by ``token // len_div``); out ``[tokens, h_q, 512]`` and lse ``[tokens, h_q]``,
-    or the split workspaces."""
+    or the split workspaces. ``tile.block_h``: heads a program (``sparse_decode_shape``)."""
 
-    def __init__(self, tokens: int, h_q: int, d: int, main_code: int, x_code: int, has_x: bool, has_len: bool,
-                 has_x_len: bool, has_sink: bool, split: bool):
-        from .kernels import BLOCK_H, REGS, sparse_decode_hopper_kernel
-        tile = warp_specialized_config()
-        self.hb = triton.cdiv(h_q, BLOCK_H.value)
+    def __init__(self, tile: TileConfig, tokens: int, h_q: int, d: int, main_code: int, x_code: int, has_x: bool,
+                 has_len: bool, has_x_len: bool, has_sink: bool, split: bool):
+        from .kernels import REGS, sparse_decode_few_heads_kernel, sparse_decode_hopper_kernel
+        self.hb = triton.cdiv(h_q, tile.block_h)
         self.grid_rows = tokens * self.hb
         self.constexprs = [d, main_code, x_code, has_x, has_len, has_x_len, has_sink, split, tile.block_n,
                            _shared_layout([tile.block_n, 512], torch.bfloat16),
                            _shared_layout([tile.block_n, 64], torch.bfloat16)]
-        self.launcher = Launcher(sparse_decode_hopper_kernel, num_warps=4, maxnreg=REGS.value)
+        kernel = sparse_decode_hopper_kernel
+        if tile.block_h != 64:
+            kernel = sparse_decode_few_heads_kernel
+            self.constexprs.append(tile.block_h)
+        self.launcher = Launcher(kernel, num_warps=4, maxnreg=REGS.value)
 
     def __call__(self, call, typed, len_div: int, sm_scale: float, num_splits: int, ws) -> None:
         """``call``: the call's tensors (``sparse_mla.launch.CallTensors``); ``typed()``: ``(q, main, extra, out,

@@ -21,7 +21,7 @@ from .. import runtime
 from ..fit import FittedKernel
 from ..hopper import launch as hopper
 from ..splits import Combine, choose_num_splits, workspaces
-from ..tuning import TileConfig, sparse_config, warp_specialized_config
+from ..tuning import TileConfig, sparse_config
 from .kernel import sparse_mla_kernel
 
 _FMT_CODE = {KVCacheFormat.BF16: 0, KVCacheFormat.V32_FP8: 1, KVCacheFormat.MODEL1_FP8: 2,
@@ -199,7 +199,7 @@ class SparseDecodePlan:
         tile = sparse_config(runtime.device_kind(p.device), h_q, fmt.is_quantized, fmt.name)
         reasons = hopper.sparse_decode_reasons(p, tile)
         self.hopper = hopper.use(reasons)
-        shape = warp_specialized_config() if self.hopper else tile  # the programs the splits must fill
+        shape, form = hopper.sparse_decode_shape(h_q) if self.hopper else (tile, "")  # the programs to fill
         keys = p.indices.shape[-1] + (0 if p.extra_indices is None else p.extra_indices.shape[-1])
         self.num_splits = choose_num_splits(tokens * triton.cdiv(h_q, shape.block_h), triton.cdiv(keys, shape.block_n),
                                             runtime.num_cores(p.device), shape.programs_per_core, p.batch_invariant)
@@ -208,13 +208,13 @@ class SparseDecodePlan:
         has_len, has_x_len, has_sink = p.topk_length is not None, p.extra_topk_length is not None, \
             p.attn_sink is not None
         if self.hopper:
-            self.launch = hopper.SparseDecodeLaunch(tokens, h_q, d, _FMT_CODE[fmt], _FMT_CODE[x_fmt or fmt], has_x,
-                                                    has_len, has_x_len, has_sink, split)
+            self.launch = hopper.SparseDecodeLaunch(shape, tokens, h_q, d, _FMT_CODE[fmt], _FMT_CODE[x_fmt or fmt],
+                                                    has_x, has_len, has_x_len, has_sink, split)
         else:
             self.launch = _Portable(p.device, tile, d, fmt, x_fmt, has_len, has_x_len, has_sink, False, split,
                                     tokens, h_q, 1)
         self.combine = Combine(self.num_splits) if split else None
-        self.description = hopper.describe(reasons, "sparse", tile, self.num_splits)
+        self.description = hopper.describe(reasons, "sparse", tile, self.num_splits, form)
         self.read_q = _as_read(p.q, self._kernel_q)
         self.read_idx, self.read_x_idx = _as_read(p.indices, _flat_indices), _as_read(p.extra_indices, _flat_indices)
 

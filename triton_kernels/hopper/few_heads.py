@@ -1,0 +1,173 @@
+"""Sparse decoding over quantized caches on Hopper for few heads (tensor-parallel head counts: at most 32 query
+heads a token), with the keys as the matrix ops' M dimension.
+
+Why a kernel of its own: with 64 query rows a program (``dequant.py``), a token of 16 heads fills a quarter of
+the tile, and the one warpgroup that dequantizes rows is a single latency-bound chain an SM (H200, run 35:
+1.6 TB/s, 1 program an SM). Turned around, Sᵀ = K·qᵀ is a 64-key x HEADS product and Oᵀ = Vᵀ·Pᵀ accumulates
+``[512, HEADS]``: 64 registers a thread at 16 heads instead of two warpgroups' 128. That leaves room for two
+warpgroups that do nothing but dequantize, each owning one of the two key stages:
+
+- the default warpgroup: for each block, Sᵀ (K from the stage, qᵀ from shared memory), the mask and the
+  skip-scale online softmax along the keys (one cross-warp maximum a block; the row sums are kept per thread
+  and reduced once at the end), Pᵀ into shared memory, Oᵀ += Vᵀ·Pᵀ (V transposed from the same stage), then
+  it frees the stage;
+- two dequantizing warpgroups: worker ``w`` fills the program's blocks ``w, w + 2, ...``: it loads a block's
+  codes and scales into registers and asks L2 for its next block's rows, waits for its stage, writes the block
+  in bf16 (the rope values too), and marks the stage full.
+
+Sources, splits and formats as ``dequant.py``'s (V3.2, V4.1 FP8 / FP4 extra, MODEL1); the epilogue is
+``partitions._store_output``'s, on Oᵀ transposed.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from ..common import FMT_V32_FP8
+from .dequant import _load_codes, _prefetch_rows, _rope_pointers, _slots_layout, _store_dequantized
+from .partitions import NEG, RESCALE_THRESHOLD_LOG2, _store_output, block_indices, exp2_approx, warpgroup_mma_layout
+
+
+@gluon.constexpr_function
+def worker_regs(heads):
+    """Registers a thread of each dequantizing warpgroup (a block's codes are 64 of them); the default warpgroup
+    gets the rest of the register file (Triton re-balances with setmaxnreg): at 32 heads its Oᵀ takes 128.
+    The fewest spills offline (compile_report --hopper, Triton 3.7.1): V3.2 24-32 / 0 bytes at 16 / 32 heads."""
+    return 152 if heads <= 16 else 136
+
+
+# Oᵀ leaves in rows of 512 output columns (4 contiguous a thread): coalesced stores of out and the partials.
+OUT_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))
+
+
+@gluon.jit
+def _attend(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, src, i0, m_run, m_use, l_acc, acc, scale_log2,
+            D_QK: gl.constexpr):
+    """The default warpgroup over one source's key blocks ``[j0, j1)``, the program's blocks ``i0, i0 + 1, ...``
+    (stage ``i % 2``). Returns the softmax state and Oᵀ."""
+    kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j0, j1 = src
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    HEADS: gl.constexpr = q_smem.shape[0]
+    s_layout: gl.constexpr = warpgroup_mma_layout(HEADS)
+    pos_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    slots = block_indices(idx_row_ptr, j0, end, n_rows, BLOCK_N, pos_l)
+    for j in range(j0, j1):
+        i = i0 + j - j0
+        stage = i % 2
+        next_slots = block_indices(idx_row_ptr, j + 1, end, n_rows, BLOCK_N, pos_l)
+        mbarrier.wait(ready.index(stage), (i // 2) & 1)
+        s = gl.zeros([BLOCK_N, HEADS], gl.float32, s_layout)
+        s = warpgroup_mma(k_smem.index(stage), q_smem.permute((1, 0)), s, use_acc=False, is_async=True)
+        if D_QK == 576:
+            s = warpgroup_mma(kr_smem.index(stage), qr_smem.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        valid = gl.expand_dims(slots >= 0, 1)
+        s = gl.where(valid, s, NEG)
+        m_new = gl.maximum(m_run, gl.max(s, 0) * scale_log2)
+        # Skip-scale, lagging max per head (a select): p = 2^(s - m_use) stays <= 2^threshold.
+        m_next = gl.where(m_new - m_use > RESCALE_THRESHOLD_LOG2, m_new, m_use)
+        alpha = gl.expand_dims(exp2_approx(m_use - m_next), 0)
+        p = gl.where(valid, exp2_approx(s * scale_log2 - gl.expand_dims(m_next, 0)), 0.0)
+        l_acc = l_acc * alpha + p
+        acc = acc * alpha
+        p_smem.store(p.to(p_smem.dtype))
+        fence_async_shared()
+        acc = warpgroup_mma(k_smem.index(stage).permute((1, 0)), p_smem, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index(stage), count=1)
+        m_run = m_new
+        m_use = m_next
+        slots = next_slots
+    return m_run, m_use, l_acc, acc, i0 + gl.maximum(j1 - j0, 0)
+
+
+@gluon.jit
+def attend_partition(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, main, extra, scale_log2, out_args,
+                     D_QK: gl.constexpr, HAS_X: gl.constexpr, SPLIT: gl.constexpr, HAS_SINK: gl.constexpr):
+    """The default warpgroup: both sources under one softmax, then the epilogue."""
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    HEADS: gl.constexpr = q_smem.shape[0]
+    s_layout: gl.constexpr = warpgroup_mma_layout(HEADS)
+    head_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+    m_run = gl.full([HEADS], NEG, gl.float32, head_l)
+    m_use = gl.full([HEADS], NEG, gl.float32, head_l)
+    l_acc = gl.zeros([BLOCK_N, HEADS], gl.float32, s_layout)
+    acc = gl.zeros([512, HEADS], gl.float32, s_layout)
+    m_run, m_use, l_acc, acc, i = _attend(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, main, 0, m_run,
+                                          m_use, l_acc, acc, scale_log2, D_QK)
+    if HAS_X:
+        m_run, m_use, l_acc, acc, i = _attend(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, extra, i,
+                                              m_run, m_use, l_acc, acc, scale_log2, D_QK)
+    rows_l: gl.constexpr = gl.SliceLayout(1, OUT_LAYOUT)
+    out = gl.convert_layout(gl.permute(acc, (1, 0)), OUT_LAYOUT)
+    _store_output(out, gl.convert_layout(gl.sum(l_acc, 0), rows_l), gl.convert_layout(m_use, rows_l),
+                  gl.convert_layout(m_run, rows_l), out_args, False, SPLIT, HAS_SINK, 0)
+
+
+@gluon.jit
+def _fill(k_smem, kr_smem, ready, empty, src, i0, W: gl.constexpr, FMT: gl.constexpr):
+    """Worker ``W``'s blocks of one source (those whose program block number ``i`` is ``W`` modulo 2)."""
+    kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j0, j1 = src
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    slots_l: gl.constexpr = _slots_layout(FMT)
+    first = j0 + (W + 2 - i0 % 2) % 2
+    slots = block_indices(idx_row_ptr, first, end, n_rows, BLOCK_N, slots_l)
+    for j in range(first, j1, 2):
+        i = i0 + j - j0
+        codes, scales = _load_codes(kv_ptr, slots, stride_block, stride_row, page, FMT)
+        if FMT == FMT_V32_FP8:
+            rope_at, rope_ok = _rope_pointers(kv_ptr, slots, stride_block, stride_row, page)
+            rope = gl.load(rope_at, mask=rope_ok, other=0.0)
+        slots = block_indices(idx_row_ptr, j + 2, end, n_rows, BLOCK_N, slots_l)
+        _prefetch_rows(kv_ptr, slots, stride_block, stride_row, page, FMT)
+        mbarrier.wait(empty.index(W), ((i // 2) & 1) ^ 1)
+        if FMT == FMT_V32_FP8:
+            kr_smem.index(W).store(rope)
+        _store_dequantized(k_smem.index(W), codes, scales, FMT)
+        mbarrier.arrive(ready.index(W), count=1)
+    return i0 + gl.maximum(j1 - j0, 0)
+
+
+@gluon.jit
+def _fill_partition(k_smem, kr_smem, ready, empty, main, extra, W: gl.constexpr, FMT: gl.constexpr,
+                    X_FMT: gl.constexpr, HAS_X: gl.constexpr):
+    i = _fill(k_smem, kr_smem, ready, empty, main, 0, W, FMT)
+    if HAS_X:
+        _fill(k_smem, kr_smem, ready, empty, extra, i, W, X_FMT)
+
+
+@gluon.jit
+def fill_even(k_smem, kr_smem, ready, empty, main, extra, FMT: gl.constexpr, X_FMT: gl.constexpr,
+              HAS_X: gl.constexpr):
+    _fill_partition(k_smem, kr_smem, ready, empty, main, extra, 0, FMT, X_FMT, HAS_X)
+
+
+@gluon.jit
+def fill_odd(k_smem, kr_smem, ready, empty, main, extra, FMT: gl.constexpr, X_FMT: gl.constexpr,
+             HAS_X: gl.constexpr):
+    _fill_partition(k_smem, kr_smem, ready, empty, main, extra, 1, FMT, X_FMT, HAS_X)
+
+
+@gluon.jit
+def allocate_few_heads(HEADS: gl.constexpr, BLOCK_N: gl.constexpr, D_QK: gl.constexpr, k_layout: gl.constexpr,
+                       r_layout: gl.constexpr):
+    """Shared memory and barriers of one program: queries, two key stages, Pᵀ, and each stage's full / free
+    barriers (one arrival each: a worker fills a stage, the default warpgroup frees it)."""
+    dtype: gl.constexpr = gl.bfloat16
+    q_smem = gl.allocate_shared_memory(dtype, [HEADS, 512], gl.NVMMASharedLayout.get_default_for([HEADS, 512], dtype))
+    qr_smem = gl.allocate_shared_memory(dtype, [HEADS, 64], gl.NVMMASharedLayout.get_default_for([HEADS, 64], dtype))
+    k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, 512], k_layout)
+    if D_QK == 576:
+        kr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, 64], r_layout)
+    else:
+        kr_smem = k_smem
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEADS],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEADS], dtype))
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(2):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    return q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty
+
