@@ -236,9 +236,12 @@ def hopper_reports() -> list:
              dict(D_QK=512, FMT=2, X_FMT=2, HAS_X=False, HAS_LEN=True, HAS_X_LEN=False, **decode)),
             ("hopper decode model1+x", kernels.sparse_decode_hopper_kernel, decode_ptrs,
              dict(D_QK=512, FMT=2, X_FMT=2, HAS_X=True, HAS_LEN=True, HAS_X_LEN=True, **decode))]
+    # V3.2 as most calls come: no split, no sink (their pointers None, as a launch passes them: constexprs)
+    unsplit = dict(SPLIT=False, HAS_SINK=False, po_ptr=None, plse_ptr=None, sink_ptr=None, x_len_ptr=None)
     few = kernels.sparse_decode_few_heads_kernel
     jobs += [(f"hopper few-head {label} h{heads}", few, decode_ptrs,
-              dict(D_QK=d, FMT=fmt, X_FMT=x_fmt, HAS_X=has_x, HAS_LEN=True, HAS_X_LEN=has_x, HEADS=heads, **decode))
+              {**decode, **dict(D_QK=d, FMT=fmt, X_FMT=x_fmt, HAS_X=has_x, HAS_LEN=True, HAS_X_LEN=has_x,
+                                HEADS=heads), **(unsplit if label == "v32" else {})})
              for label, d, fmt, x_fmt, has_x in (("v32", 576, 1, 1, False), ("v41+fp4", 512, 3, 4, True),
                                                  ("model1+x", 512, 2, 2, True))
              for heads in (16, 32)]

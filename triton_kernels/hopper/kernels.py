@@ -151,8 +151,11 @@ def sparse_decode_hopper_kernel(
     heads = r0 + gl.arange(0, BLOCK_H, layout=VECTOR_LAYOUT)
     load_queries(q_ptr, t.to(gl.int64) * sq_t + heads * sq_h, heads < h_q, q_smem, qr_smem, D_QK)
 
-    out_args = _decode_out_args(out_ptr, so_t, so_h, lse_ptr, sl_t, po_ptr, plse_ptr, sink_ptr, h_q, t, r0,
-                                num_splits, split)
+    # The dense epilogue's arguments with one query a program (rows = heads): out [tokens, h_q, 512], lse
+    # [tokens, h_q], partials [tokens, splits, h_q, ...]. (Spelled out: a jit function cannot return the
+    # pointers that are None.)
+    out_args = (h_q, out_ptr, so_t, 0, so_h, lse_ptr, sl_t, 0, 1, po_ptr, plse_ptr, sink_ptr,
+                t, r0, 1, h_q, h_q, num_splits, split)
     sched = (0, 0, 0, 0, 0, 0, 0, 0, 0, b0, b1, 0)  # the output partitions read the block range only
     gl.warp_specialize([
         (dequant_softmax_partition, (q_smem, qr_smem, bufs, bars, main, extra, scale_log2, D_QK, FMT, X_FMT,
@@ -160,14 +163,6 @@ def sparse_decode_hopper_kernel(
         (output_lo, (bufs, bars, sched, out_args, D_QK, 2, FILL_BY_SOFTMAX, SPLIT, HAS_SINK)),
         (output_hi, (bufs, bars, sched, out_args, D_QK, 2, FILL_BY_SOFTMAX, SPLIT, HAS_SINK)),
     ], [4, 4], [OUTPUT_REGS, OUTPUT_REGS])
-
-
-@gluon.jit
-def _decode_out_args(out_ptr, so_t, so_h, lse_ptr, sl_t, po_ptr, plse_ptr, sink_ptr, h_q, t, r0, num_splits, split):
-    """The dense epilogue's arguments with one query a program (rows = heads): out [tokens, h_q, 512], lse
-    [tokens, h_q], partials [tokens, splits, h_q, ...]."""
-    return (h_q, out_ptr, so_t, 0, so_h, lse_ptr, sl_t, 0, 1, po_ptr, plse_ptr, sink_ptr,
-            t, r0, 1, h_q, h_q, num_splits, split)
 
 
 @gluon.jit(do_not_specialize=["num_splits"])
@@ -191,8 +186,8 @@ def sparse_decode_few_heads_kernel(
                                                                                 R_LAYOUT)
     heads = r0 + gl.arange(0, HEADS, layout=VECTOR_LAYOUT)
     load_queries(q_ptr, t.to(gl.int64) * sq_t + heads * sq_h, heads < h_q, q_smem, qr_smem, D_QK)
-    out_args = _decode_out_args(out_ptr, so_t, so_h, lse_ptr, sl_t, po_ptr, plse_ptr, sink_ptr, h_q, t, r0,
-                                num_splits, split)
+    out_args = (h_q, out_ptr, so_t, 0, so_h, lse_ptr, sl_t, 0, 1, po_ptr, plse_ptr, sink_ptr,
+                t, r0, 1, h_q, h_q, num_splits, split)  # as sparse_decode_hopper_kernel's
     gl.warp_specialize([
         (attend_partition, (q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, main, extra, scale_log2,
                             out_args, D_QK, HAS_X, SPLIT, HAS_SINK)),
