@@ -113,14 +113,18 @@ def _fill(k_smem, kr_smem, ready, empty, src, i0, W: gl.constexpr, FMT: gl.const
     slots_l: gl.constexpr = _slots_layout(FMT)
     first = j0 + (W + 2 - i0 % 2) % 2
     slots = block_indices(idx_row_ptr, first, end, n_rows, BLOCK_N, slots_l)
+    next_slots = block_indices(idx_row_ptr, first + 2, end, n_rows, BLOCK_N, slots_l)
     for j in range(first, j1, 2):
         i = i0 + j - j0
         codes, scales = _load_codes(kv_ptr, slots, stride_block, stride_row, page, FMT)
         if FMT == FMT_V32_FP8:
             rope_at, rope_ok = _rope_pointers(kv_ptr, slots, stride_block, stride_row, page)
             rope = gl.load(rope_at, mask=rope_ok, other=0.0)
-        slots = block_indices(idx_row_ptr, j + 2, end, n_rows, BLOCK_N, slots_l)
-        _prefetch_rows(kv_ptr, slots, stride_block, stride_row, page, FMT)
+        # The worker's next block's rows into L2 (its indices came an iteration ago: nothing waits for them);
+        # the indices of the one after travel meanwhile.
+        _prefetch_rows(kv_ptr, next_slots, stride_block, stride_row, page, FMT)
+        slots = next_slots
+        next_slots = block_indices(idx_row_ptr, j + 4, end, n_rows, BLOCK_N, slots_l)
         mbarrier.wait(empty.index(W), ((i // 2) & 1) ^ 1)
         if FMT == FMT_V32_FP8:
             kr_smem.index(W).store(rope)
