@@ -246,8 +246,10 @@ HOPPER_FEW_ROWS = {
 # with the measurement behind it (the few-head kernel, hopper/few_heads.py, for 16 and 32), else 64
 # (hopper/dequant.py, its tile masking the heads past h_q). A forced 12-warp tile's block_h picks one instead.
 HOPPER_DECODE_HEADS = (
-    (16, "few-head kernel (keys as the matrix ops' rows, two dequantizing warpgroups); not yet measured"),
-    (32, "few-head kernel (keys as the matrix ops' rows, two dequantizing warpgroups); not yet measured"),
+    (16, "H200, 2026-12-01, b128 s_q 1: V3.2 h_q 16 96-98 µs with 16-head programs vs 114 with 32 and 127 with 64, "
+         "h_q 8 95-97 vs 127; MODEL1 + 512 extra h_q 16 103-110 vs 178; V4.1 + FP4 extra 147-151 vs 256"),
+    (32, "H200, 2026-12-01, b128 s_q 1: V3.2 h_q 32 113-117 µs with 32-head programs vs 128 with 64 and 158 with "
+         "two of 16"),
 )
 
 
