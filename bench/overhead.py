@@ -157,7 +157,7 @@ def _without_launches(fn, device) -> float:
     the Python path and torch's allocations and views cost without the launches themselves."""
     from anymla.triton_kernels.launcher import Launcher
     launch = Launcher._launch_compiled
-    Launcher._launch_compiled = lambda self, grid, args, changed=None: True
+    Launcher._launch_compiled = lambda self, grid, args: True
     try:
         return _eager(fn, device)[0]
     finally:
@@ -182,8 +182,7 @@ def _step_targets():
             (sparse._Portable, "__call__", "portable sparse launch"), (dense._Portable, "__call__", "portable dense launch"),
             (fit.FittedKernel, "__call__", "FittedKernel"), (splits.Combine, "__call__", "Combine"),
             (launcher.LatestDescriptors, "__call__", "LatestDescriptors"), (launcher.Launcher, "bind", "Launcher.bind"),
-            (launcher.Launcher, "_launch_compiled", "the launch (Launcher._launch_compiled)"),
-            (launcher._DriverLaunch, "__call__", "cuLaunchKernel with its values written (_DriverLaunch)")]
+            (launcher.Launcher, "_launch_compiled", "the launch (Launcher._launch_compiled)")]
 
 
 def _steps(fn, n: int = 200) -> dict:
