@@ -1,10 +1,8 @@
 """Host-side planning of the Triton tier: split counts and the fall-back ladder for configs that do not fit."""
 
-import ctypes
 import os
 import subprocess
 import sys
-import types
 import zlib
 
 import pytest
@@ -274,67 +272,6 @@ def test_a_bound_launch_passes_a_call_s_tensors_and_rebuilds_its_list_for_a_new_
     assert len(built) == 2 and fn.calls == 2 and fn.compiled_with[1][2] is shifted
     with pytest.raises(RuntimeError, match="per-call values"):
         launcher.Launcher(_Jit()).bind((1, 1, 1), (torch.empty(64, dtype=torch.uint8), out, 2.0), lambda: full(out))
-
-
-class _DriverKernel(_Compiled):
-    """A compiled kernel as the driver launch reads it: its signature, metadata and function handle."""
-
-    def __init__(self, signature: dict):
-        super().__init__()
-        self.src = types.SimpleNamespace(signature=signature)
-        self.metadata = types.SimpleNamespace(num_ctas=1, launch_cooperative_grid=False, launch_pdl=False,
-                                              global_scratch_size=0, profile_scratch_size=0, tensordesc_meta=None)
-        self.function, self.packed_metadata = 0xF00, (12, 1, 99000)
-
-
-def _read_params(params, kinds):
-    """The values a launch's parameter buffer points at, read back as ``kinds`` (ctypes types)."""
-    return [ctypes.cast(params[i], ctypes.POINTER(k)).contents.value for i, k in enumerate(kinds)]
-
-
-def test_a_driver_launch_lays_out_the_parameters_as_triton_s_launcher(monkeypatch):
-    """``cuLaunchKernel`` gets one value per non-constexpr argument in the kernel's order (pointers as 64-bit
-    addresses, i32, fp32, i1) then Triton's two null scratch pointers, 32 threads a warp of the kernel's
-    metadata and its shared memory; a bound call rewrites only its own values; an empty grid launches
-    nothing; kernels that need Triton's launcher (descriptors, scratch) do not take this path."""
-    from anymla.triton_kernels import launcher
-    launches = []
-    kinds = [ctypes.c_uint64, ctypes.c_int32, ctypes.c_float, ctypes.c_int8, ctypes.c_uint64, ctypes.c_uint64,
-             ctypes.c_uint64]
-
-    def cu_launch(fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-        launches.append(((fn, gx, gy, gz, bx, by, bz, shared, stream), _read_params(params, kinds)))
-        return 0
-
-    monkeypatch.setattr(launcher, "_cu_launch", lambda: cu_launch)
-    monkeypatch.setattr(launcher, "_driver", lambda: (lambda: 0, lambda device: 77))
-    signature = {"x_ptr": "*bf16", "n": "i32", "BLOCK": "constexpr", "scale": "fp32", "flag": "i1",
-                 "o_ptr": "*fp32", "NONE": "constexpr"}
-    kernel = _DriverKernel(signature)
-
-    class Fn(_Jit):
-        def __getitem__(self, grid):
-            def call(*args, **options):
-                self.calls += 1
-                return kernel
-            return call
-    fn = Fn()
-    run = launcher.Launcher(fn, num_warps=4)
-    x, o = torch.zeros(8, dtype=torch.bfloat16), torch.zeros(4)
-    full = lambda o: [x, 5, 64, 0.5, True, o, None]  # noqa: E731
-    run.bind((3, 2, 1), (x, 0.5, o, None), lambda: full(o))
-    assert fn.calls == 1 and not launches, "the first call compiles through fn[grid]"
-    o2 = torch.zeros(4)
-    run.bind((4, 1, 1), (x, 0.25, o2, None), lambda: full(o2))
-    assert launches[-1] == ((0xF00, 4, 1, 1, 384, 1, 1, 99000, 77),
-                            [x.data_ptr(), 5, 0.25, 1, o2.data_ptr(), 0, 0])
-    run.bind((0, 1, 1), (x, 0.25, o, None), lambda: full(o))
-    assert len(launches) == 1, "an empty grid launches nothing"
-    assert launcher._DriverLaunch.of(_DriverKernel(signature)) is not None
-    assert launcher._DriverLaunch.of(_DriverKernel(signature | {"d": "tensordesc<bf16[64, 64]>"})) is None
-    scratch = _DriverKernel(signature)
-    scratch.metadata.global_scratch_size = 128
-    assert launcher._DriverLaunch.of(scratch) is None
 
 
 def test_a_direct_launch_encodes_each_tensor_memory_descriptor_once(monkeypatch):

@@ -11,11 +11,6 @@ list and fills in only what a call brings (its tensors, float scalars and tensor
 compiled kernel gets each tensor as its address and each descriptor encoded once (:class:`_Direct`), which
 spares Triton's C launcher a driver query a tensor and an encoding a descriptor on every launch.
 
-Where the compiled kernel needs nothing of Triton's launcher but the launch itself (no tensor-memory
-descriptors, scratch buffers, clusters or launch attributes), :class:`_DriverLaunch` calls the driver's
-``cuLaunchKernel`` directly with an argument buffer built once per kernel: a call writes only its own values
-into it. ``ANYMLA_DRIVER_LAUNCH=0`` (read at import) keeps every launch on Triton's launcher.
-
 Launch hooks (profilers read launches there) are handed to the compiled kernel as Triton's own launch hands
 them, with the launch metadata computed only while one is installed. There is no fast path (every call
 goes through ``fn[grid]``) under Triton's interpreter and with a Triton older than 3.4 (no ``triton.knobs``).
@@ -24,11 +19,7 @@ goes through ``fn[grid]``) under Triton's interpreter and with a Triton older th
 from __future__ import annotations
 
 import copy
-import ctypes
 import functools
-import os
-import threading
-from typing import Optional
 
 import torch
 
@@ -90,7 +81,7 @@ class Launcher:
             args = self._template.copy()
             for i, v in zip(self._slots, values):
                 args[i] = v
-            if self._launch_compiled(grid, args, self._slots):
+            if self._launch_compiled(grid, args):
                 return
         args = full()
         if self._template is None:
@@ -114,9 +105,8 @@ class Launcher:
             bits = (bits << 1) | (args[i].data_ptr() % 16 == 0)
         return bits
 
-    def _launch_compiled(self, grid: tuple, args: list, changed=None) -> bool:
-        """Launch the kernel compiled for ``args``' alignment pattern, if there is one (True when launched).
-        ``changed``: the positions whose values may differ from the previous launch's (None: any)."""
+    def _launch_compiled(self, grid: tuple, args: list) -> bool:
+        """Launch the kernel compiled for ``args``' alignment pattern, if there is one (True when launched)."""
         if not self._compiled:
             return False
         # Tensors go to the compiled kernel as their addresses: its C launcher takes an int as the pointer
@@ -137,9 +127,6 @@ class Launcher:
         meta = None
         if _hooked(knobs):  # hooks read the launch metadata, which wants the tensors themselves
             meta, flat, run = kernel.launch_metadata(grid, s, *args), args, kernel.run
-        elif direct.driver is not None:
-            direct.driver(grid, s, flat, changed)
-            return True
         else:
             flat = direct.encoded(flat)
         run(grid[0], grid[1], grid[2], s, kernel.function, kernel.packed_metadata, meta,
@@ -169,7 +156,6 @@ class _Direct:
 
     def __init__(self, kernel):
         self.kernel, self.run, self.positions, self._cache = kernel, kernel.run, (), {}
-        self.driver = _DriverLaunch.of(kernel)
         wrapper = getattr(kernel.run, "launch", None)
         code = getattr(wrapper, "__code__", None)
         needed = ("launcher", "tensordesc_indices", "tensordesc_meta")
@@ -199,87 +185,6 @@ class _Direct:
             start = pos + 1
         out += args[start:]
         return out
-
-
-_DRIVER_LAUNCH = os.environ.get("ANYMLA_DRIVER_LAUNCH") != "0"
-# Triton's kernel argument types (its signature's strings) as the kernel's parameters hold them (fp32 as a float)
-_C_TYPES = {"i1": ctypes.c_int8, "i8": ctypes.c_int8, "i16": ctypes.c_int16, "i32": ctypes.c_int32,
-            "i64": ctypes.c_int64, "u1": ctypes.c_uint8, "u8": ctypes.c_uint8, "u16": ctypes.c_uint16,
-            "u32": ctypes.c_uint32, "u64": ctypes.c_uint64, "fp32": ctypes.c_float, "f32": ctypes.c_float}
-
-
-@functools.lru_cache(maxsize=None)
-def _cu_launch():
-    """The driver's ``cuLaunchKernel`` (None where there is no CUDA driver)."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    f = lib.cuLaunchKernel
-    f.restype = ctypes.c_int
-    f.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    return f
-
-
-class _DriverLaunch:
-    """A compiled kernel launched by ``cuLaunchKernel`` itself: the parameter buffer holds one C value per
-    non-constexpr argument in the kernel's order, then Triton's two scratch pointers (null: the kernels that
-    take this path need none), as Triton's launcher lays them out (Triton 3.6 and 3.7). A call writes the
-    values of the positions it may have changed (every position on the first call)."""
-
-    def __init__(self, kernel, types: list):
-        self.function = kernel.function
-        num_warps, num_ctas, self.shared = kernel.packed_metadata
-        self.threads = 32 * num_warps
-        # one C value an argument position (None: a constexpr, not a kernel parameter)
-        self.values = [None if t is None else t() for t in types]
-        scratch = [ctypes.c_uint64(0), ctypes.c_uint64(0)]
-        held = [v for v in self.values if v is not None] + scratch
-        self._held = held  # the buffer points into these objects
-        self.params = (ctypes.c_void_p * len(held))(*[ctypes.addressof(v) for v in held])
-        self.written = False
-        # ctypes lets other threads run during the driver call: a second call must not rewrite the buffer then
-        self.lock = threading.Lock()
-
-    @classmethod
-    def of(cls, kernel) -> Optional["_DriverLaunch"]:
-        """The driver launch of a compiled kernel, or None where it needs more of Triton's launcher."""
-        src, meta = getattr(kernel, "src", None), getattr(kernel, "metadata", None)
-        if not _DRIVER_LAUNCH or src is None or meta is None or _cu_launch() is None or \
-                not isinstance(getattr(kernel, "function", None), int):
-            return None
-        plain = (getattr(meta, "num_ctas", 1) == 1 and not getattr(meta, "launch_cooperative_grid", False)
-                 and not getattr(meta, "launch_pdl", False) and not getattr(meta, "global_scratch_size", 0)
-                 and not getattr(meta, "profile_scratch_size", 0) and not getattr(meta, "tensordesc_meta", None))
-        types = []
-        for t in getattr(src, "signature", {}).values():
-            if t == "constexpr":
-                types.append(None)
-            elif isinstance(t, str) and t.startswith("*"):
-                types.append(ctypes.c_uint64)
-            elif isinstance(t, str) and t in _C_TYPES:
-                types.append(_C_TYPES[t])
-            else:  # a descriptor, a tuple or a type this launch does not lay out
-                return None
-        return cls(kernel, types) if plain else None
-
-    def __call__(self, grid: tuple, stream: int, args: list, changed=None) -> None:
-        """Launch over ``grid`` with ``args`` (every argument in order, tensors as addresses; absent ones
-        None, which Triton compiled as constexprs)."""
-        if grid[0] * grid[1] * grid[2] == 0:  # as Triton's launcher: nothing to launch
-            return
-        with self.lock:
-            if changed is None or not self.written:
-                changed = range(len(self.values))
-            for i in changed:
-                v = self.values[i]
-                if v is not None:
-                    v.value = args[i]
-            self.written = True
-            err = _cu_launch()(self.function, grid[0], grid[1], grid[2], self.threads, 1, 1, self.shared, stream,
-                               self.params, None)
-        if err:
-            raise RuntimeError(f"cuLaunchKernel failed with CUresult {err}")
 
 
 def _same_value(listed, value) -> bool:
