@@ -226,7 +226,16 @@ WARP_SPECIALIZED_PREFILL = [dict(d_qk=d, h_q=h, s_kv=s_kv, topk=k, s_q=s_q, sink
                             for d, h, (s_kv, k), s_q, sink, tl in itertools.product(
                                 (576, 512), (128, 64, 40), ((592, 128), (1840, 256), (95, 128), (300, 100),
                                                             (4096, 2048)), (1, 62), (False, True), (False, True))]
+# Tensor-parallel head counts: the few-head form (16 or 32 heads a program, rows gathered by two warpgroups)
+WARP_SPECIALIZED_PREFILL += [dict(d_qk=d, h_q=h, s_kv=s_kv, topk=k, s_q=s_q, sink=sink, topk_length=tl)
+                             for d, h, (s_kv, k), s_q, sink, tl in itertools.product(
+                                 (576, 512), (32, 16, 5), ((592, 128), (95, 128), (300, 100), (4096, 2048)), (1, 62),
+                                 (False, True), (False, True)) if sink == tl]
 WARP_SPECIALIZED_PREFILL += [
+    dict(d_qk=576, h_q=16, s_kv=200, topk=192, s_q=3, shuffle_invalid=True),
+    dict(d_qk=512, h_q=24, s_kv=300, topk=128, s_q=40, all_invalid_rows=True, topk_length=True),
+    dict(d_qk=576, h_q=8, s_kv=1592, topk=384, s_q=33, amplify=True, sink=True, topk_length=True),
+    dict(d_qk=576, h_q=16, s_kv=1000, topk=256, s_q=5, dtype=torch.float16),
     dict(d_qk=576, h_q=64, s_kv=200, topk=192, s_q=3, shuffle_invalid=True),  # leading invalid padding
     dict(d_qk=512, h_q=64, s_kv=300, topk=128, s_q=40, all_invalid_rows=True, topk_length=True),
     dict(d_qk=576, h_q=128, s_kv=1592, topk=384, s_q=33, amplify=True, sink=True, topk_length=True),

@@ -57,11 +57,11 @@ SWEEP = {
 _FEW_HEADS = [Config(TileConfig(16, bn, 4, st, False)) for bn, st in ((64, 2), (32, 4), (32, 6), (16, 8))]
 SWEEP.update({name: _FEW_HEADS for name in ("v32-decode-h16", "v32-decode-h8", "v4-decode-h16", "v4-decode-h8",
                                              "v32-prefill-h16")})
-# The tp suite (issue 14): the Hopper decoding kernel's programs of 16, 32 (hopper/few_heads.py) or 64 heads (a
-# forced 12-warp tile's block_h picks them), with and without 2 splits.
+# The tp suite (issue 14): the Hopper sparse kernels' programs of 16, 32 (hopper/few_heads.py) or 64 heads (a
+# forced 12-warp tile's block_h picks them), decoding with and without 2 splits.
 _FEW_HEAD_DECODE = [Config(), Config(splits=2)] + [Config(TileConfig(h, 64, 12, 2, False), sp, warp_specialized=True)
                                                    for h in (16, 32, 64) for sp in (None, 2)]
-_FEW_HEAD_PREFILL = [Config(), Config(warp_specialized=False)]
+_FEW_HEAD_PREFILL = [Config()] + [Config(TileConfig(h, 64, 12, 2, False), warp_specialized=True) for h in (32, 64)]
 SWEEP.update({name: _FEW_HEAD_DECODE for name in ("tp-sdecode-v32-b128-h16", "tp-sdecode-v32-b128-h8",
                                                   "tp-sdecode-v41+fp4-b128-h16", "tp-sdecode-model1-b128-h16")})
 SWEEP.update({"tp-prefill-h16-d576": _FEW_HEAD_PREFILL, "tp-prefill-h32-d512": _FEW_HEAD_PREFILL,

@@ -242,23 +242,29 @@ HOPPER_FEW_ROWS = {
 }
 
 
-# Heads a program of the Hopper sparse decoding kernels takes: the smallest entry that holds the call's heads,
-# with the measurement behind it (the few-head kernel, hopper/few_heads.py, for 16 and 32), else 64
-# (hopper/dequant.py, its tile masking the heads past h_q). A forced 12-warp tile's block_h picks one instead.
-HOPPER_DECODE_HEADS = (
-    (16, "H200, 2026-12-01, b128 s_q 1: V3.2 h_q 16 96-98 µs with 16-head programs vs 114 with 32 and 127 with 64, "
-         "h_q 8 95-97 vs 127; MODEL1 + 512 extra h_q 16 103-110 vs 178; V4.1 + FP4 extra 147-151 vs 256"),
-    (32, "H200, 2026-12-01, b128 s_q 1: V3.2 h_q 32 113-117 µs with 32-head programs vs 128 with 64 and 158 with "
-         "two of 16"),
-)
+# Heads a program of the Hopper sparse kernels takes, per op: the smallest entry that holds the call's heads, with
+# the measurement behind it (the few-head kernels of hopper/few_heads.py, for 16 and 32), else 64 (the 64-row
+# kernels, their tile masking the heads past h_q). A forced 12-warp tile's block_h picks one instead.
+HOPPER_PROGRAM_HEADS = {
+    "sparse_decode": (
+        (16, "H200, 2026-12-01, b128 s_q 1: V3.2 h_q 16 96-98 µs with 16-head programs vs 114 with 32 and 127 with "
+             "64, h_q 8 95-97 vs 127; MODEL1 + 512 extra h_q 16 103-110 vs 178; V4.1 + FP4 extra 147-151 vs 256"),
+        (32, "H200, 2026-12-01, b128 s_q 1: V3.2 h_q 32 113-117 µs with 32-head programs vs 128 with 64 and 158 with "
+             "two of 16"),
+    ),
+    "sparse_prefill": (
+        (16, "few-head kernel (rows gathered by two warpgroups); not yet measured"),
+        (32, "few-head kernel (rows gathered by two warpgroups); not yet measured"),
+    ),
+}
 
 
-def hopper_decode_heads(h_q: int) -> tuple[int, str]:
-    """(heads a Hopper decoding program takes, why) for ``h_q`` query heads a token."""
+def hopper_program_heads(op: str, h_q: int) -> tuple[int, str]:
+    """(heads a program of the Hopper ``op`` kernel takes, why) for ``h_q`` query heads a token."""
     tile = forced_tile()
     if tile is not None and tile.num_warps == 12:
         return tile.block_h, "forced"
-    for heads, why in HOPPER_DECODE_HEADS:
+    for heads, why in HOPPER_PROGRAM_HEADS.get(op, ()):
         if h_q <= heads:
             return heads, why
     return 64, "64-head programs"

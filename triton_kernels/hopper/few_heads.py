@@ -21,12 +21,14 @@ Sources, splits and formats as ``dequant.py``'s (V3.2, V4.1 FP8 / FP4 extra, MOD
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ..common import FMT_V32_FP8
+from ..common import FMT_BF16, FMT_V32_FP8
 from .dequant import _load_codes, _prefetch_rows, _rope_pointers, _slots_layout, _store_dequantized
-from .partitions import NEG, RESCALE_THRESHOLD_LOG2, _store_output, block_indices, exp2_approx, warpgroup_mma_layout
+from .partitions import (NEG, RESCALE_THRESHOLD_LOG2, ROWS_LAYOUT, WIDE_ROWS_LAYOUT, _store_output, block_indices,
+                         exp2_approx, warpgroup_mma_layout)
 
 
 @gluon.constexpr_function
@@ -84,8 +86,10 @@ def _attend(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, src, i0, m_r
 
 @gluon.jit
 def attend_partition(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, main, extra, scale_log2, out_args,
-                     D_QK: gl.constexpr, HAS_X: gl.constexpr, SPLIT: gl.constexpr, HAS_SINK: gl.constexpr):
-    """The default warpgroup: both sources under one softmax, then the epilogue."""
+                     D_QK: gl.constexpr, HAS_X: gl.constexpr, SPLIT: gl.constexpr, HAS_SINK: gl.constexpr,
+                     PREFILL: gl.constexpr):
+    """The default warpgroup: both sources under one softmax, then the epilogue (``_store_output``'s sparse
+    prefill form with max_logits, or its decoding form)."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HEADS: gl.constexpr = q_smem.shape[0]
     s_layout: gl.constexpr = warpgroup_mma_layout(HEADS)
@@ -102,7 +106,7 @@ def attend_partition(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, mai
     rows_l: gl.constexpr = gl.SliceLayout(1, OUT_LAYOUT)
     out = gl.convert_layout(gl.permute(acc, (1, 0)), OUT_LAYOUT)
     _store_output(out, gl.convert_layout(gl.sum(l_acc, 0), rows_l), gl.convert_layout(m_use, rows_l),
-                  gl.convert_layout(m_run, rows_l), out_args, False, SPLIT, HAS_SINK, 0)
+                  gl.convert_layout(m_run, rows_l), out_args, PREFILL, SPLIT, HAS_SINK, 0)
 
 
 @gluon.jit
@@ -134,11 +138,51 @@ def _fill(k_smem, kr_smem, ready, empty, src, i0, W: gl.constexpr, FMT: gl.const
 
 
 @gluon.jit
+def _gather_rows(dst, kv_ptr, rows, ok, col0: gl.constexpr, LAYOUT: gl.constexpr):
+    """Copy columns ``[col0, col0 + width)`` of the bf16 rows at element offsets ``rows`` into ``dst`` [rows,
+    width] (``cp.async``, 16 bytes a piece); rows not ``ok`` are zero-filled and read nothing."""
+    rows_l: gl.constexpr = gl.SliceLayout(1, LAYOUT)
+    cols = gl.expand_dims(col0 + gl.arange(0, dst.shape[1], layout=gl.SliceLayout(0, LAYOUT)), 0)
+    at = gl.expand_dims(gl.convert_layout(rows, rows_l), 1)
+    mask = gl.expand_dims(gl.convert_layout(ok, rows_l), 1) & (cols >= 0)
+    async_copy.async_copy_global_to_shared(dst, kv_ptr + at + cols, mask=mask)
+
+
+@gluon.jit
+def _gather_fill(k_smem, kr_smem, ready, empty, src, W: gl.constexpr):
+    """Worker ``W``'s blocks of bf16 rows (sparse prefill: ``kv_ptr + index * stride_row``): each stage refilled
+    by 16-byte copies the moment it is free, the rope tail too where the stages have one."""
+    kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j0, j1 = src
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    WITH_ROPE: gl.constexpr = kr_smem.shape[2] == 64
+    slots_l: gl.constexpr = gl.SliceLayout(1, WIDE_ROWS_LAYOUT)
+    slots = block_indices(idx_row_ptr, j0 + W, end, n_rows, BLOCK_N, slots_l)
+    for j in range(j0 + W, j1, 2):
+        i = j - j0
+        next_slots = block_indices(idx_row_ptr, j + 2, end, n_rows, BLOCK_N, slots_l)
+        rows = gl.maximum(slots, 0).to(gl.int64) * stride_row
+        ok = slots >= 0
+        mbarrier.wait(empty.index(W), ((i // 2) & 1) ^ 1)
+        for c in gl.static_range(2):
+            _gather_rows(k_smem.index(W).slice(c * 256, 256, dim=1), kv_ptr, rows, ok, c * 256, WIDE_ROWS_LAYOUT)
+        if WITH_ROPE:
+            _gather_rows(kr_smem.index(W), kv_ptr, rows, ok, 512, ROWS_LAYOUT)
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        fence_async_shared()
+        mbarrier.arrive(ready.index(W), count=1)
+        slots = next_slots
+
+
+@gluon.jit
 def _fill_partition(k_smem, kr_smem, ready, empty, main, extra, W: gl.constexpr, FMT: gl.constexpr,
                     X_FMT: gl.constexpr, HAS_X: gl.constexpr):
-    i = _fill(k_smem, kr_smem, ready, empty, main, 0, W, FMT)
-    if HAS_X:
-        _fill(k_smem, kr_smem, ready, empty, extra, i, W, X_FMT)
+    if FMT == FMT_BF16:
+        _gather_fill(k_smem, kr_smem, ready, empty, main, W)
+    else:
+        i = _fill(k_smem, kr_smem, ready, empty, main, 0, W, FMT)
+        if HAS_X:
+            _fill(k_smem, kr_smem, ready, empty, extra, i, W, X_FMT)
 
 
 @gluon.jit
@@ -154,11 +198,10 @@ def fill_odd(k_smem, kr_smem, ready, empty, main, extra, FMT: gl.constexpr, X_FM
 
 
 @gluon.jit
-def allocate_few_heads(HEADS: gl.constexpr, BLOCK_N: gl.constexpr, D_QK: gl.constexpr, k_layout: gl.constexpr,
-                       r_layout: gl.constexpr):
+def allocate_few_heads(dtype: gl.constexpr, HEADS: gl.constexpr, BLOCK_N: gl.constexpr, D_QK: gl.constexpr,
+                       k_layout: gl.constexpr, r_layout: gl.constexpr):
     """Shared memory and barriers of one program: queries, two key stages, Pᵀ, and each stage's full / free
     barriers (one arrival each: a worker fills a stage, the default warpgroup frees it)."""
-    dtype: gl.constexpr = gl.bfloat16
     q_smem = gl.allocate_shared_memory(dtype, [HEADS, 512], gl.NVMMASharedLayout.get_default_for([HEADS, 512], dtype))
     qr_smem = gl.allocate_shared_memory(dtype, [HEADS, 64], gl.NVMMASharedLayout.get_default_for([HEADS, 64], dtype))
     k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, 512], k_layout)

@@ -182,15 +182,45 @@ def sparse_decode_few_heads_kernel(
     main, extra, b0, b1 = _decode_sources(kv_ptr, kv_sb, kv_sr, page, n_rows, idx_ptr, si_t, topk, len_ptr,
                                           x_kv_ptr, x_sb, x_sr, x_page, x_rows, x_idx_ptr, sxi_t, x_topk, x_len_ptr,
                                           len_div, t, split, num_splits, BLOCK_N, HAS_X, HAS_LEN, HAS_X_LEN)
-    q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty = allocate_few_heads(HEADS, BLOCK_N, D_QK, K_LAYOUT,
-                                                                                R_LAYOUT)
+    q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty = allocate_few_heads(q_ptr.dtype.element_ty, HEADS, BLOCK_N,
+                                                                                D_QK, K_LAYOUT, R_LAYOUT)
     heads = r0 + gl.arange(0, HEADS, layout=VECTOR_LAYOUT)
     load_queries(q_ptr, t.to(gl.int64) * sq_t + heads * sq_h, heads < h_q, q_smem, qr_smem, D_QK)
     out_args = (h_q, out_ptr, so_t, 0, so_h, lse_ptr, sl_t, 0, 1, po_ptr, plse_ptr, sink_ptr,
                 t, r0, 1, h_q, h_q, num_splits, split)  # as sparse_decode_hopper_kernel's
     gl.warp_specialize([
         (attend_partition, (q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, main, extra, scale_log2,
-                            out_args, D_QK, HAS_X, SPLIT, HAS_SINK)),
+                            out_args, D_QK, HAS_X, SPLIT, HAS_SINK, False)),
         (fill_even, (k_smem, kr_smem, ready, empty, main, extra, FMT, X_FMT, HAS_X)),
         (fill_odd, (k_smem, kr_smem, ready, empty, main, extra, FMT, X_FMT, HAS_X)),
     ], [4, 4], [worker_regs(HEADS), worker_regs(HEADS)])
+
+
+# s_kv only bounds the indices: a new number of kv rows reuses the compiled kernel.
+@gluon.jit(do_not_specialize=["s_kv"])
+def sparse_prefill_few_heads_kernel(
+        q_ptr, sq_t, sq_h, kv_ptr, skv_r, s_kv, idx_ptr, si_t, topk, len_ptr, sink_ptr,
+        out_ptr, so_t, so_h, lse_ptr, max_ptr, h_q, hb_per_token, scale_log2,
+        D_QK: gl.constexpr, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, BLOCK_N: gl.constexpr,
+        K_LAYOUT: gl.constexpr, R_LAYOUT: gl.constexpr, HEADS: gl.constexpr):
+    """``sparse_prefill_hopper_kernel``'s call with HEADS (16 or 32) heads a program (``few_heads.py``): two
+    warpgroups gather the token's rows into the two stages, the default one attends."""
+    pid = gl.program_id(0)
+    t = pid // hb_per_token
+    r0 = (pid % hb_per_token) * HEADS
+    length = topk
+    if HAS_LEN:
+        length = gl.maximum(gl.minimum(topk, gl.load(len_ptr + t)), 0)
+    q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty = allocate_few_heads(q_ptr.dtype.element_ty, HEADS, BLOCK_N,
+                                                                                D_QK, K_LAYOUT, R_LAYOUT)
+    heads = r0 + gl.arange(0, HEADS, layout=VECTOR_LAYOUT)
+    load_queries(q_ptr, t.to(gl.int64) * sq_t + heads * sq_h, heads < h_q, q_smem, qr_smem, D_QK)
+    out_args = (h_q, out_ptr, so_t, so_h, lse_ptr, max_ptr, sink_ptr, t, r0)  # as sparse_prefill_hopper_kernel's
+    rows = (kv_ptr, 0, skv_r, 1, s_kv, idx_ptr + t.to(gl.int64) * si_t, length, 0, gl.cdiv(length, BLOCK_N))
+    gl.warp_specialize([
+        (attend_partition, (q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, rows, rows, scale_log2,
+                            out_args, D_QK, False, False, HAS_SINK, True)),
+        (fill_even, (k_smem, kr_smem, ready, empty, rows, rows, 0, 0, False)),
+        (fill_odd, (k_smem, kr_smem, ready, empty, rows, rows, 0, 0, False)),
+    ], [4, 4], [worker_regs(HEADS), worker_regs(HEADS)])
+

@@ -18,7 +18,7 @@ from anymla.kvcache import KVCacheFormat
 
 from .. import runtime
 from ..launcher import LatestDescriptors, Launcher
-from ..tuning import (HOPPER_FEW_ROWS, TileConfig, forced_tma, forced_warp_specialized, hopper_decode_heads,
+from ..tuning import (HOPPER_FEW_ROWS, TileConfig, forced_tma, forced_warp_specialized, hopper_program_heads,
                       warp_specialized_config)
 
 
@@ -169,17 +169,22 @@ class DenseDecodeLaunch:
 
 
 class SparsePrefillLaunch:
-    """The Hopper sparse prefill kernel's launch for one plan."""
+    """The Hopper sparse prefill kernel's launch for one plan (``tile.block_h``: heads a program,
+    ``program_shape``)."""
 
-    def __init__(self, q: torch.Tensor, kv: torch.Tensor, has_len: bool, has_sink: bool):
-        from .kernels import BLOCK_H, REGS, sparse_prefill_hopper_kernel
+    def __init__(self, tile: TileConfig, q: torch.Tensor, kv: torch.Tensor, has_len: bool, has_sink: bool):
+        from .kernels import REGS, sparse_prefill_few_heads_kernel, sparse_prefill_hopper_kernel
         s_q, h_q, d = q.shape
-        tile = warp_specialized_config()
-        self.hb = triton.cdiv(h_q, BLOCK_H.value)
+        self.hb = triton.cdiv(h_q, tile.block_h)
         self.grid = (s_q * self.hb, 1, 1)
-        self.constexprs = [d, has_len, has_sink, tile.block_n, tile.num_stages,
-                           _shared_layout([tile.block_n, 512], kv.dtype), _shared_layout([tile.block_n, 64], kv.dtype)]
-        self.launcher = Launcher(sparse_prefill_hopper_kernel, num_warps=4, maxnreg=REGS.value)
+        layouts = [_shared_layout([tile.block_n, 512], kv.dtype), _shared_layout([tile.block_n, 64], kv.dtype)]
+        if tile.block_h == 64:
+            kernel, self.constexprs = sparse_prefill_hopper_kernel, [d, has_len, has_sink, tile.block_n,
+                                                                     tile.num_stages, *layouts]
+        else:  # two key stages always
+            kernel, self.constexprs = sparse_prefill_few_heads_kernel, [d, has_len, has_sink, tile.block_n, *layouts,
+                                                                        tile.block_h]
+        self.launcher = Launcher(kernel, num_warps=4, maxnreg=REGS.value)
 
     def __call__(self, q, kv, indices, topk_length, sink, sm_scale: float, out, lse, max_logits) -> None:
         scale = sm_scale * math.log2(math.e)
@@ -189,10 +194,10 @@ class SparsePrefillLaunch:
             self.hb, scale, *self.constexprs])
 
 
-def sparse_decode_shape(h_q: int) -> tuple[TileConfig, str]:
-    """The programs of the Hopper decoding kernel for ``h_q`` heads a token (their heads as ``block_h``) and
-    which kernel that is, with why (``tuning.hopper_decode_heads``)."""
-    heads, why = hopper_decode_heads(h_q)
+def program_shape(op: str, h_q: int) -> tuple[TileConfig, str]:
+    """The programs of the Hopper ``op`` ("sparse_decode" or "sparse_prefill") kernel for ``h_q`` heads a token
+    (their heads as ``block_h``) and which form of it that is, with why (``tuning.hopper_program_heads``)."""
+    heads, why = hopper_program_heads(op, h_q)
     tile = dataclasses.replace(warp_specialized_config(), block_h=heads)
     if heads == 64:
         return tile, "64 heads a program"
@@ -203,7 +208,7 @@ class SparseDecodeLaunch:
     """The Hopper sparse decoding kernel's launch for one plan: ``q [tokens, h_q, d_qk]`` over the slots of a
     quantized cache and, if given, those of an extra cache (``sparse_mla.launch.Source``: bytes, paging,
     indices, lengths indexed by ``token // len_div``); out ``[tokens, h_q, 512]`` and lse ``[tokens, h_q]``,
-    or the split workspaces. ``tile.block_h``: heads a program (``sparse_decode_shape``)."""
+    or the split workspaces. ``tile.block_h``: heads a program (``program_shape``)."""
 
     def __init__(self, tile: TileConfig, tokens: int, h_q: int, d: int, main_code: int, x_code: int, has_x: bool,
                  has_len: bool, has_x_len: bool, has_sink: bool, split: bool):

@@ -142,12 +142,14 @@ class SparsePrefillPlan:
         tile = sparse_config(runtime.device_kind(q.device), h_q // h_kv, False)
         reasons = hopper.sparse_prefill_reasons(q, kv, indices, tile)
         self.hopper = hopper.use(reasons)
+        form = ""
         if self.hopper:
-            self.launch = hopper.SparsePrefillLaunch(q, kv, p.topk_length is not None, p.attn_sink is not None)
+            shape, form = hopper.program_shape("sparse_prefill", h_q)
+            self.launch = hopper.SparsePrefillLaunch(shape, q, kv, p.topk_length is not None, p.attn_sink is not None)
         else:
             self.launch = _Portable(q.device, tile, d, KVCacheFormat.BF16, None, p.topk_length is not None, False,
                                     p.attn_sink is not None, True, False, s_q, h_q, h_kv)
-        self.description = hopper.describe(reasons, "sparse", tile, 1)
+        self.description = hopper.describe(reasons, "sparse", tile, 1, form)
         # No row to attend (s_kv or topk 0): every token's result is fixed, and Triton 3.6 fails compiling the
         # Hopper kernel for an empty kv (H200, 2026-12-01), so no kernel runs.
         self.nothing_to_attend = kv.shape[0] == 0 or indices.shape[-1] == 0
@@ -199,7 +201,7 @@ class SparseDecodePlan:
         tile = sparse_config(runtime.device_kind(p.device), h_q, fmt.is_quantized, fmt.name)
         reasons = hopper.sparse_decode_reasons(p, tile)
         self.hopper = hopper.use(reasons)
-        shape, form = hopper.sparse_decode_shape(h_q) if self.hopper else (tile, "")  # the programs to fill
+        shape, form = hopper.program_shape("sparse_decode", h_q) if self.hopper else (tile, "")  # the programs to fill
         keys = p.indices.shape[-1] + (0 if p.extra_indices is None else p.extra_indices.shape[-1])
         self.num_splits = choose_num_splits(tokens * triton.cdiv(h_q, shape.block_h), triton.cdiv(keys, shape.block_n),
                                             runtime.num_cores(p.device), shape.programs_per_core, p.batch_invariant)
