@@ -226,7 +226,7 @@ WARP_SPECIALIZED_PREFILL = [dict(d_qk=d, h_q=h, s_kv=s_kv, topk=k, s_q=s_q, sink
                             for d, h, (s_kv, k), s_q, sink, tl in itertools.product(
                                 (576, 512), (128, 64, 40), ((592, 128), (1840, 256), (95, 128), (300, 100),
                                                             (4096, 2048)), (1, 62), (False, True), (False, True))]
-# Tensor-parallel head counts: the few-head form (16 or 32 heads a program, rows gathered by two warpgroups)
+# Tensor-parallel head counts: the few-head form (16 or 32 heads a program, rows gathered by two warpgroups), forced
 WARP_SPECIALIZED_PREFILL += [dict(d_qk=d, h_q=h, s_kv=s_kv, topk=k, s_q=s_q, sink=sink, topk_length=tl)
                              for d, h, (s_kv, k), s_q, sink, tl in itertools.product(
                                  (576, 512), (32, 16, 5), ((592, 128), (95, 128), (300, 100), (4096, 2048)), (1, 62),
@@ -247,7 +247,9 @@ WARP_SPECIALIZED_PREFILL += [
 def test_warp_specialized_sparse_prefill(backend, case, tol_scale, device):
     tuning = _warp_specialized_only(backend, device)
     args = _prefill_args(case, device)
-    with tuning.forced(warp_specialized=True):
+    # at most 32 heads: the few-head form, forced (the tile table does not pick it for prefill yet)
+    heads = 16 if case["h_q"] <= 16 else 32 if case["h_q"] <= 32 else 64
+    with tuning.forced(tuning.TileConfig(heads, 64, 12, 2, False), warp_specialized=True):
         got = anymla.flash_mla_sparse_fwd(**args, backend=backend)
     compare_outputs("sparse_prefill", got, anymla.flash_mla_sparse_fwd(**args, backend="reference"),
                     amplified=case.get("amplify", False), scale=tol_scale)

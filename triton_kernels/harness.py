@@ -61,7 +61,7 @@ SWEEP.update({name: _FEW_HEADS for name in ("v32-decode-h16", "v32-decode-h8", "
 # forced 12-warp tile's block_h picks them), decoding with and without 2 splits.
 _FEW_HEAD_DECODE = [Config(), Config(splits=2)] + [Config(TileConfig(h, 64, 12, 2, False), sp, warp_specialized=True)
                                                    for h in (16, 32, 64) for sp in (None, 2)]
-_FEW_HEAD_PREFILL = [Config()] + [Config(TileConfig(h, 64, 12, 2, False), warp_specialized=True) for h in (32, 64)]
+_FEW_HEAD_PREFILL = [Config()] + [Config(TileConfig(h, 64, 12, 2, False), warp_specialized=True) for h in (16, 32)]
 SWEEP.update({name: _FEW_HEAD_DECODE for name in ("tp-sdecode-v32-b128-h16", "tp-sdecode-v32-b128-h8",
                                                   "tp-sdecode-v41+fp4-b128-h16", "tp-sdecode-model1-b128-h16")})
 SWEEP.update({"tp-prefill-h16-d576": _FEW_HEAD_PREFILL, "tp-prefill-h32-d512": _FEW_HEAD_PREFILL,
