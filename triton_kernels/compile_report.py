@@ -219,7 +219,7 @@ def hopper_reports() -> list:
     ints = {n: "*i32" for n in ("bt_ptr", "lens_ptr", "idx_ptr", "len_ptr")}
     bf16 = {n: "*bf16" for n in ("q_ptr", "out_ptr", "kv_ptr")}
     decode_ptrs = {**ints, **bf16, "kv_ptr": "*u8", "x_kv_ptr": "*u8", "x_idx_ptr": "*i32", "x_len_ptr": "*i32"}
-    decode = dict(HAS_SINK=True, SPLIT=True, BLOCK_N=tile.block_n,
+    decode = dict(HAS_SINK=True, SPLIT=True, BLOCK_N=tile.block_n, HEADS=64,
                   K_LAYOUT=_shared_layout([tile.block_n, 512], rows.dtype),
                   R_LAYOUT=_shared_layout([tile.block_n, 64], rows.dtype))
     jobs = [("hopper dense d576", kernels.dense_decode_hopper_kernel, {**ints, **bf16, "k_desc": desc(512),
@@ -238,7 +238,7 @@ def hopper_reports() -> list:
              dict(D_QK=512, FMT=2, X_FMT=2, HAS_X=True, HAS_LEN=True, HAS_X_LEN=True, **decode))]
     # V3.2 as most calls come: no split, no sink (their pointers None, as a launch passes them: constexprs)
     unsplit = dict(SPLIT=False, HAS_SINK=False, po_ptr=None, plse_ptr=None, sink_ptr=None, x_len_ptr=None)
-    few = kernels.sparse_decode_few_heads_kernel
+    few = kernels.sparse_decode_hopper_kernel
     jobs += [(f"hopper few-head {label} h{heads}", few, decode_ptrs,
               {**decode, **dict(D_QK=d, FMT=fmt, X_FMT=x_fmt, HAS_X=has_x, HAS_LEN=True, HAS_X_LEN=has_x,
                                 HEADS=heads), **(unsplit if label == "v32" else {})})

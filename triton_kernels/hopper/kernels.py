@@ -135,46 +135,11 @@ def sparse_decode_hopper_kernel(
         out_ptr, so_t, so_h, lse_ptr, sl_t, po_ptr, plse_ptr, h_q, hb_per_token, num_splits, scale_log2,
         D_QK: gl.constexpr, FMT: gl.constexpr, X_FMT: gl.constexpr, HAS_X: gl.constexpr, HAS_LEN: gl.constexpr,
         HAS_X_LEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
-        K_LAYOUT: gl.constexpr, R_LAYOUT: gl.constexpr):
-    """Program ``(token * head_blocks + head_block, split)``: 64 heads of one decoding token over one split's
-    key blocks (``_decode_sources``): the token's ``topk`` slots in the quantized cache ``kv_ptr`` (bytes),
-    then its ``x_topk`` slots in the extra cache. Writes out and lse, or the split's partial."""
-    pid = gl.program_id(0)
-    split = gl.program_id(1)
-    t = pid // hb_per_token
-    r0 = (pid % hb_per_token) * BLOCK_H
-    main, extra, b0, b1 = _decode_sources(kv_ptr, kv_sb, kv_sr, page, n_rows, idx_ptr, si_t, topk, len_ptr,
-                                          x_kv_ptr, x_sb, x_sr, x_page, x_rows, x_idx_ptr, sxi_t, x_topk, x_len_ptr,
-                                          len_div, t, split, num_splits, BLOCK_N, HAS_X, HAS_LEN, HAS_X_LEN)
-
-    q_smem, qr_smem, bufs, bars = allocate(q_ptr.dtype.element_ty, BLOCK_N, D_QK, 2, K_LAYOUT, R_LAYOUT, False)
-    heads = r0 + gl.arange(0, BLOCK_H, layout=VECTOR_LAYOUT)
-    load_queries(q_ptr, t.to(gl.int64) * sq_t + heads * sq_h, heads < h_q, q_smem, qr_smem, D_QK)
-
-    # The dense epilogue's arguments with one query a program (rows = heads): out [tokens, h_q, 512], lse
-    # [tokens, h_q], partials [tokens, splits, h_q, ...]. (Spelled out: a jit function cannot return the
-    # pointers that are None.)
-    out_args = (h_q, out_ptr, so_t, 0, so_h, lse_ptr, sl_t, 0, 1, po_ptr, plse_ptr, sink_ptr,
-                t, r0, 1, h_q, h_q, num_splits, split)
-    sched = (0, 0, 0, 0, 0, 0, 0, 0, 0, b0, b1, 0)  # the output partitions read the block range only
-    gl.warp_specialize([
-        (dequant_softmax_partition, (q_smem, qr_smem, bufs, bars, main, extra, scale_log2, D_QK, FMT, X_FMT,
-                                     HAS_X)),
-        (output_lo, (bufs, bars, sched, out_args, D_QK, 2, FILL_BY_SOFTMAX, SPLIT, HAS_SINK)),
-        (output_hi, (bufs, bars, sched, out_args, D_QK, 2, FILL_BY_SOFTMAX, SPLIT, HAS_SINK)),
-    ], [4, 4], [OUTPUT_REGS, OUTPUT_REGS])
-
-
-@gluon.jit(do_not_specialize=["num_splits"])
-def sparse_decode_few_heads_kernel(
-        q_ptr, sq_t, sq_h, kv_ptr, kv_sb, kv_sr, page, n_rows, idx_ptr, si_t, topk, len_ptr,
-        x_kv_ptr, x_sb, x_sr, x_page, x_rows, x_idx_ptr, sxi_t, x_topk, x_len_ptr, len_div, sink_ptr,
-        out_ptr, so_t, so_h, lse_ptr, sl_t, po_ptr, plse_ptr, h_q, hb_per_token, num_splits, scale_log2,
-        D_QK: gl.constexpr, FMT: gl.constexpr, X_FMT: gl.constexpr, HAS_X: gl.constexpr, HAS_LEN: gl.constexpr,
-        HAS_X_LEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
         K_LAYOUT: gl.constexpr, R_LAYOUT: gl.constexpr, HEADS: gl.constexpr):
-    """``sparse_decode_hopper_kernel``'s call with HEADS (16 or 32) heads a program instead of 64
-    (``few_heads.py``)."""
+    """Program ``(token * head_blocks + head_block, split)``: HEADS heads of one decoding token over one split's
+    key blocks (``_decode_sources``): the token's ``topk`` slots in the quantized cache ``kv_ptr`` (bytes),
+    then its ``x_topk`` slots in the extra cache. Writes out and lse, or the split's partial. 64 heads: the
+    dequantizing softmax warpgroup of ``dequant.py``; 16 or 32: the few-head form of ``few_heads.py``."""
     pid = gl.program_id(0)
     split = gl.program_id(1)
     t = pid // hb_per_token
@@ -182,18 +147,33 @@ def sparse_decode_few_heads_kernel(
     main, extra, b0, b1 = _decode_sources(kv_ptr, kv_sb, kv_sr, page, n_rows, idx_ptr, si_t, topk, len_ptr,
                                           x_kv_ptr, x_sb, x_sr, x_page, x_rows, x_idx_ptr, sxi_t, x_topk, x_len_ptr,
                                           len_div, t, split, num_splits, BLOCK_N, HAS_X, HAS_LEN, HAS_X_LEN)
-    q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty = allocate_few_heads(q_ptr.dtype.element_ty, HEADS, BLOCK_N,
-                                                                                D_QK, K_LAYOUT, R_LAYOUT)
     heads = r0 + gl.arange(0, HEADS, layout=VECTOR_LAYOUT)
-    load_queries(q_ptr, t.to(gl.int64) * sq_t + heads * sq_h, heads < h_q, q_smem, qr_smem, D_QK)
+    q_at = t.to(gl.int64) * sq_t + heads * sq_h
+    # The dense epilogue's arguments with one query a program (rows = heads): out [tokens, h_q, 512], lse
+    # [tokens, h_q], partials [tokens, splits, h_q, ...]. (Spelled out: a jit function cannot return the
+    # pointers that are None.)
     out_args = (h_q, out_ptr, so_t, 0, so_h, lse_ptr, sl_t, 0, 1, po_ptr, plse_ptr, sink_ptr,
-                t, r0, 1, h_q, h_q, num_splits, split)  # as sparse_decode_hopper_kernel's
-    gl.warp_specialize([
-        (attend_partition, (q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, main, extra, scale_log2,
-                            out_args, D_QK, HAS_X, SPLIT, HAS_SINK, False)),
-        (fill_even, (k_smem, kr_smem, ready, empty, main, extra, FMT, X_FMT, HAS_X)),
-        (fill_odd, (k_smem, kr_smem, ready, empty, main, extra, FMT, X_FMT, HAS_X)),
-    ], [4, 4], [worker_regs(HEADS), worker_regs(HEADS)])
+                t, r0, 1, h_q, h_q, num_splits, split)
+    if HEADS == 64:
+        q_smem, qr_smem, bufs, bars = allocate(q_ptr.dtype.element_ty, BLOCK_N, D_QK, 2, K_LAYOUT, R_LAYOUT, False)
+        load_queries(q_ptr, q_at, heads < h_q, q_smem, qr_smem, D_QK)
+        sched = (0, 0, 0, 0, 0, 0, 0, 0, 0, b0, b1, 0)  # the output partitions read the block range only
+        gl.warp_specialize([
+            (dequant_softmax_partition, (q_smem, qr_smem, bufs, bars, main, extra, scale_log2, D_QK, FMT, X_FMT,
+                                         HAS_X)),
+            (output_lo, (bufs, bars, sched, out_args, D_QK, 2, FILL_BY_SOFTMAX, SPLIT, HAS_SINK)),
+            (output_hi, (bufs, bars, sched, out_args, D_QK, 2, FILL_BY_SOFTMAX, SPLIT, HAS_SINK)),
+        ], [4, 4], [OUTPUT_REGS, OUTPUT_REGS])
+    else:
+        q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty = allocate_few_heads(
+            q_ptr.dtype.element_ty, HEADS, BLOCK_N, D_QK, K_LAYOUT, R_LAYOUT)
+        load_queries(q_ptr, q_at, heads < h_q, q_smem, qr_smem, D_QK)
+        gl.warp_specialize([
+            (attend_partition, (q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, main, extra, scale_log2,
+                                out_args, D_QK, HAS_X, SPLIT, HAS_SINK, False)),
+            (fill_even, (k_smem, kr_smem, ready, empty, main, extra, FMT, X_FMT, HAS_X)),
+            (fill_odd, (k_smem, kr_smem, ready, empty, main, extra, FMT, X_FMT, HAS_X)),
+        ], [4, 4], [worker_regs(HEADS), worker_regs(HEADS)])
 
 
 # s_kv only bounds the indices: a new number of kv rows reuses the compiled kernel.
