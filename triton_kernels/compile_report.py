@@ -225,7 +225,7 @@ def hopper_reports() -> list:
     jobs = [("hopper dense d576", kernels.dense_decode_hopper_kernel, {**ints, **bf16, "k_desc": desc(512),
              "r_desc": desc(64)}, dict(D_QK=576, CAUSAL=True, HAS_SINK=True, SPLIT=True, NUM_STAGES=tile.num_stages)),
             ("hopper sparse prefill", kernels.sparse_prefill_hopper_kernel, {**ints, **bf16},
-             dict(D_QK=576, HAS_LEN=True, HAS_SINK=True, BLOCK_N=tile.block_n, NUM_STAGES=tile.num_stages,
+             dict(D_QK=576, HAS_LEN=True, HAS_SINK=True, BLOCK_N=tile.block_n, NUM_STAGES=tile.num_stages, HEADS=64,
                   K_LAYOUT=_shared_layout([tile.block_n, 512], rows.dtype),
                   R_LAYOUT=_shared_layout([tile.block_n, 64], rows.dtype))),
             ("hopper decode v32", kernels.sparse_decode_hopper_kernel, decode_ptrs,
@@ -245,8 +245,8 @@ def hopper_reports() -> list:
              for label, d, fmt, x_fmt, has_x in (("v32", 576, 1, 1, False), ("v41+fp4", 512, 3, 4, True),
                                                  ("model1+x", 512, 2, 2, True))
              for heads in (16, 32)]
-    jobs += [(f"hopper few-head prefill d{d} h{heads}", kernels.sparse_prefill_few_heads_kernel, {**ints, **bf16},
-              dict(D_QK=d, HAS_LEN=True, HAS_SINK=True, BLOCK_N=tile.block_n, HEADS=heads,
+    jobs += [(f"hopper few-head prefill d{d} h{heads}", kernels.sparse_prefill_hopper_kernel, {**ints, **bf16},
+              dict(D_QK=d, HAS_LEN=True, HAS_SINK=True, BLOCK_N=tile.block_n, NUM_STAGES=2, HEADS=heads,
                    K_LAYOUT=_shared_layout([tile.block_n, 512], rows.dtype),
                    R_LAYOUT=_shared_layout([tile.block_n, 64], rows.dtype))) for d, heads in ((576, 16), (512, 32))]
     # Spills allowed: a few bytes, except in the V4.1 + FP4 decoding kernel, whose FP4 loop spills ~0.6-0.8 KB

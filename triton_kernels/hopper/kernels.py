@@ -70,31 +70,45 @@ def sparse_prefill_hopper_kernel(
         q_ptr, sq_t, sq_h, kv_ptr, skv_r, s_kv, idx_ptr, si_t, topk, len_ptr, sink_ptr,
         out_ptr, so_t, so_h, lse_ptr, max_ptr, h_q, hb_per_token, scale_log2,
         D_QK: gl.constexpr, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, BLOCK_N: gl.constexpr,
-        NUM_STAGES: gl.constexpr, K_LAYOUT: gl.constexpr, R_LAYOUT: gl.constexpr):
-    """Program ``token * head_blocks + head_block``: 64 heads of one token (one kv head) over the token's
-    ``topk`` gathered rows; blocks past ``topk_length`` are never visited."""
+        NUM_STAGES: gl.constexpr, K_LAYOUT: gl.constexpr, R_LAYOUT: gl.constexpr, HEADS: gl.constexpr):
+    """Program ``token * head_blocks + head_block``: HEADS heads of one token (one kv head) over the token's
+    ``topk`` gathered rows; blocks past ``topk_length`` are never visited. 64 heads: NUM_STAGES key stages
+    that the output warpgroups refill; 16 or 32: the few-head form of ``few_heads.py`` (two stages, each
+    refilled by a gathering warpgroup of its own)."""
     pid = gl.program_id(0)
     t = pid // hb_per_token
-    r0 = (pid % hb_per_token) * BLOCK_H
+    r0 = (pid % hb_per_token) * HEADS
     length = topk
     if HAS_LEN:
         length = gl.maximum(gl.minimum(topk, gl.load(len_ptr + t)), 0)
-
-    q_smem, qr_smem, bufs, bars = allocate(q_ptr.dtype.element_ty, BLOCK_N, D_QK, NUM_STAGES, K_LAYOUT, R_LAYOUT,
-                                           True)
-    idx_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    heads = r0 + gl.arange(0, BLOCK_H, layout=VECTOR_LAYOUT)
-    load_queries(q_ptr, t.to(gl.int64) * sq_t + heads * sq_h, heads < h_q, q_smem, qr_smem, D_QK)
-
+    heads = r0 + gl.arange(0, HEADS, layout=VECTOR_LAYOUT)
+    q_at = t.to(gl.int64) * sq_t + heads * sq_h
+    idx_row_ptr = idx_ptr + t.to(gl.int64) * si_t
     out_args = (h_q, out_ptr, so_t, so_h, lse_ptr, max_ptr, sink_ptr, t, r0)
-    sched = (0, 0, kv_ptr, skv_r, s_kv, idx_smem, idx_ptr + t.to(gl.int64) * si_t, 0, 0, 0, gl.cdiv(length, BLOCK_N),
-             length)
-    gl.warp_specialize([
-        (softmax_partition, (q_smem, qr_smem, bufs, bars, sched, r0, 1, h_q, scale_log2, D_QK, False,
-                             NUM_STAGES, True)),
-        (output_lo, (bufs, bars, sched, out_args, D_QK, NUM_STAGES, FILL_GATHER, False, HAS_SINK)),
-        (output_hi, (bufs, bars, sched, out_args, D_QK, NUM_STAGES, FILL_GATHER, False, HAS_SINK)),
-    ], [4, 4], [REGS, REGS])
+    if HEADS == 64:
+        q_smem, qr_smem, bufs, bars = allocate(q_ptr.dtype.element_ty, BLOCK_N, D_QK, NUM_STAGES, K_LAYOUT,
+                                               R_LAYOUT, True)
+        idx_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, BLOCK_N],
+                                             gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        load_queries(q_ptr, q_at, heads < h_q, q_smem, qr_smem, D_QK)
+        sched = (0, 0, kv_ptr, skv_r, s_kv, idx_smem, idx_row_ptr, 0, 0, 0, gl.cdiv(length, BLOCK_N), length)
+        gl.warp_specialize([
+            (softmax_partition, (q_smem, qr_smem, bufs, bars, sched, r0, 1, h_q, scale_log2, D_QK, False,
+                                 NUM_STAGES, True)),
+            (output_lo, (bufs, bars, sched, out_args, D_QK, NUM_STAGES, FILL_GATHER, False, HAS_SINK)),
+            (output_hi, (bufs, bars, sched, out_args, D_QK, NUM_STAGES, FILL_GATHER, False, HAS_SINK)),
+        ], [4, 4], [REGS, REGS])
+    else:
+        q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty = allocate_few_heads(
+            q_ptr.dtype.element_ty, HEADS, BLOCK_N, D_QK, K_LAYOUT, R_LAYOUT)
+        load_queries(q_ptr, q_at, heads < h_q, q_smem, qr_smem, D_QK)
+        rows = (kv_ptr, 0, skv_r, 1, s_kv, idx_row_ptr, length, 0, gl.cdiv(length, BLOCK_N))
+        gl.warp_specialize([
+            (attend_partition, (q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, rows, rows, scale_log2,
+                                out_args, D_QK, False, False, HAS_SINK, True)),
+            (fill_even, (k_smem, kr_smem, ready, empty, rows, rows, 0, 0, False)),
+            (fill_odd, (k_smem, kr_smem, ready, empty, rows, rows, 0, 0, False)),
+        ], [4, 4], [worker_regs(HEADS), worker_regs(HEADS)])
 
 
 @gluon.jit
@@ -174,33 +188,3 @@ def sparse_decode_hopper_kernel(
             (fill_even, (k_smem, kr_smem, ready, empty, main, extra, FMT, X_FMT, HAS_X)),
             (fill_odd, (k_smem, kr_smem, ready, empty, main, extra, FMT, X_FMT, HAS_X)),
         ], [4, 4], [worker_regs(HEADS), worker_regs(HEADS)])
-
-
-# s_kv only bounds the indices: a new number of kv rows reuses the compiled kernel.
-@gluon.jit(do_not_specialize=["s_kv"])
-def sparse_prefill_few_heads_kernel(
-        q_ptr, sq_t, sq_h, kv_ptr, skv_r, s_kv, idx_ptr, si_t, topk, len_ptr, sink_ptr,
-        out_ptr, so_t, so_h, lse_ptr, max_ptr, h_q, hb_per_token, scale_log2,
-        D_QK: gl.constexpr, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, BLOCK_N: gl.constexpr,
-        K_LAYOUT: gl.constexpr, R_LAYOUT: gl.constexpr, HEADS: gl.constexpr):
-    """``sparse_prefill_hopper_kernel``'s call with HEADS (16 or 32) heads a program (``few_heads.py``): two
-    warpgroups gather the token's rows into the two stages, the default one attends."""
-    pid = gl.program_id(0)
-    t = pid // hb_per_token
-    r0 = (pid % hb_per_token) * HEADS
-    length = topk
-    if HAS_LEN:
-        length = gl.maximum(gl.minimum(topk, gl.load(len_ptr + t)), 0)
-    q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty = allocate_few_heads(q_ptr.dtype.element_ty, HEADS, BLOCK_N,
-                                                                                D_QK, K_LAYOUT, R_LAYOUT)
-    heads = r0 + gl.arange(0, HEADS, layout=VECTOR_LAYOUT)
-    load_queries(q_ptr, t.to(gl.int64) * sq_t + heads * sq_h, heads < h_q, q_smem, qr_smem, D_QK)
-    out_args = (h_q, out_ptr, so_t, so_h, lse_ptr, max_ptr, sink_ptr, t, r0)  # as sparse_prefill_hopper_kernel's
-    rows = (kv_ptr, 0, skv_r, 1, s_kv, idx_ptr + t.to(gl.int64) * si_t, length, 0, gl.cdiv(length, BLOCK_N))
-    gl.warp_specialize([
-        (attend_partition, (q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, rows, rows, scale_log2,
-                            out_args, D_QK, False, False, HAS_SINK, True)),
-        (fill_even, (k_smem, kr_smem, ready, empty, rows, rows, 0, 0, False)),
-        (fill_odd, (k_smem, kr_smem, ready, empty, rows, rows, 0, 0, False)),
-    ], [4, 4], [worker_regs(HEADS), worker_regs(HEADS)])
-

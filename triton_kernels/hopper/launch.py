@@ -173,18 +173,14 @@ class SparsePrefillLaunch:
     ``program_shape``)."""
 
     def __init__(self, tile: TileConfig, q: torch.Tensor, kv: torch.Tensor, has_len: bool, has_sink: bool):
-        from .kernels import REGS, sparse_prefill_few_heads_kernel, sparse_prefill_hopper_kernel
+        from .kernels import REGS, sparse_prefill_hopper_kernel
         s_q, h_q, d = q.shape
         self.hb = triton.cdiv(h_q, tile.block_h)
         self.grid = (s_q * self.hb, 1, 1)
-        layouts = [_shared_layout([tile.block_n, 512], kv.dtype), _shared_layout([tile.block_n, 64], kv.dtype)]
-        if tile.block_h == 64:
-            kernel, self.constexprs = sparse_prefill_hopper_kernel, [d, has_len, has_sink, tile.block_n,
-                                                                     tile.num_stages, *layouts]
-        else:  # two key stages always
-            kernel, self.constexprs = sparse_prefill_few_heads_kernel, [d, has_len, has_sink, tile.block_n, *layouts,
-                                                                        tile.block_h]
-        self.launcher = Launcher(kernel, num_warps=4, maxnreg=REGS.value)
+        self.constexprs = [d, has_len, has_sink, tile.block_n, tile.num_stages,
+                           _shared_layout([tile.block_n, 512], kv.dtype), _shared_layout([tile.block_n, 64], kv.dtype),
+                           tile.block_h]
+        self.launcher = Launcher(sparse_prefill_hopper_kernel, num_warps=4, maxnreg=REGS.value)
 
     def __call__(self, q, kv, indices, topk_length, sink, sm_scale: float, out, lse, max_logits) -> None:
         scale = sm_scale * math.log2(math.e)
