@@ -1,5 +1,6 @@
-"""Sparse decoding over quantized caches on Hopper for few heads (tensor-parallel head counts: at most 32 query
-heads a token), with the keys as the matrix ops' M dimension.
+"""Sparse attention on Hopper for few heads (tensor-parallel head counts: at most 32 query heads a token), with
+the keys as the matrix ops' M dimension: decoding over quantized caches, and sparse prefill over bf16 rows (whose
+workers gather rows by 16-byte copies instead of dequantizing; not yet measured, so served to forced tiles only).
 
 Why a kernel of its own: with 64 query rows a program (``dequant.py``), a token of 16 heads fills a quarter of
 the tile, and the one warpgroup that dequantizes rows is a single latency-bound chain an SM (H200, run 35:
@@ -16,7 +17,7 @@ warpgroups that do nothing but dequantize, each owning one of the two key stages
   in bf16 (the rope values too), and marks the stage full.
 
 Sources, splits and formats as ``dequant.py``'s (V3.2, V4.1 FP8 / FP4 extra, MODEL1); the epilogue is
-``partitions._store_output``'s, on Oᵀ transposed.
+``partitions._store_output``'s (its decoding or its prefill form), on Oᵀ transposed.
 """
 
 from triton.experimental import gluon
