@@ -188,6 +188,8 @@ def test_hopper_sparse_programs_take_16_32_or_64_heads():
         for forced in (64, 16):
             with tuning.forced(tuning.TileConfig(forced, 64, 12, 2, False)):
                 assert launch.program_shape(op, 8)[0].block_h == forced
+        with tuning.forced(tuning.TileConfig(48, 64, 12, 2, False)), pytest.raises(ValueError, match="16, 32 or 64"):
+            launch.program_shape(op, 8)
 
 
 class _Compiled:

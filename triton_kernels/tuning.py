@@ -262,6 +262,9 @@ def hopper_program_heads(op: str, h_q: int) -> tuple[int, str]:
     """(heads a program of the Hopper ``op`` kernel takes, why) for ``h_q`` query heads a token."""
     tile = forced_tile()
     if tile is not None and tile.num_warps == 12:
+        if tile.block_h not in (16, 32, 64):
+            raise ValueError(f"tuning.forced(tile=...): a 12-warp (Hopper) tile's block_h is the heads a program "
+                             f"takes, 16, 32 or 64; got {tile.block_h}")
         return tile.block_h, "forced"
     for heads, why in HOPPER_PROGRAM_HEADS.get(op, ()):
         if h_q <= heads:
