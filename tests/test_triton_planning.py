@@ -174,16 +174,15 @@ def test_hopper_sparse_decode_takes_v32_v41_and_model1_caches(monkeypatch):
 
 
 def test_hopper_sparse_programs_take_16_32_or_64_heads():
-    """Tensor-parallel head counts get the few-head form of the Hopper decoding kernel (16 or 32 heads a
-    program, hopper/few_heads.py), more heads 64-head programs; prefill takes 64-head programs until its few-head
-    form is measured; a forced 12-warp tile picks the form for either."""
+    """Tensor-parallel head counts get the few-head form of the Hopper sparse kernels (16 or 32 heads a program,
+    hopper/few_heads.py), more heads 64-head programs; a forced 12-warp tile picks the form for either op."""
     from anymla.triton_kernels import tuning
     from anymla.triton_kernels.hopper import launch
-    heads = {h: launch.program_shape("sparse_decode", h)[0].block_h for h in (1, 8, 16, 17, 32, 33, 40, 64, 128)}
-    assert heads == {1: 16, 8: 16, 16: 16, 17: 32, 32: 32, 33: 64, 40: 64, 64: 64, 128: 64}
     assert "few-head" in launch.program_shape("sparse_decode", 16)[1]
     assert "few-head" not in launch.program_shape("sparse_decode", 64)[1]
-    assert all(launch.program_shape("sparse_prefill", h)[0].block_h == 64 for h in (1, 16, 32, 128))
+    for op in ("sparse_decode", "sparse_prefill"):
+        heads = {h: launch.program_shape(op, h)[0].block_h for h in (1, 8, 16, 17, 32, 33, 40, 64, 128)}
+        assert heads == {1: 16, 8: 16, 16: 16, 17: 32, 32: 32, 33: 64, 40: 64, 64: 64, 128: 64}, op
     for op in ("sparse_decode", "sparse_prefill"):
         for forced in (64, 16):
             with tuning.forced(tuning.TileConfig(forced, 64, 12, 2, False)):

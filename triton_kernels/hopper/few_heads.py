@@ -1,6 +1,6 @@
 """Sparse attention on Hopper for few heads (tensor-parallel head counts: at most 32 query heads a token), with
 the keys as the matrix ops' M dimension: decoding over quantized caches, and sparse prefill over bf16 rows (whose
-workers gather rows by 16-byte copies instead of dequantizing; not yet measured, so served to forced tiles only).
+workers gather rows by 16-byte copies instead of dequantizing).
 
 Why a kernel of its own: with 64 query rows a program (``dequant.py``), a token of 16 heads fills a quarter of
 the tile, and the one warpgroup that dequantizes rows is a single latency-bound chain an SM (H200, run 35:
