@@ -22,10 +22,18 @@ Tensor = torch.Tensor
 
 
 def _run(problem, backend: str):
-    # Custom ops may not return views of their inputs or of each other: hand back fresh tensors.
+    """Custom ops may not return views of their inputs or of each other: any output that shares memory (a
+    part of a larger allocation, or another output's) goes back as a copy. Told by storage, not ``_base``:
+    views made under inference mode have none."""
     decision = select(problem, backend or None)
-    outs = decision.run(problem)
-    return tuple(t.clone() if t._base is not None else t for t in outs)
+    fresh, taken = [], set()
+    for t in decision.run(problem):
+        storage = t.untyped_storage()
+        if storage.data_ptr() in taken or storage.nbytes() != t.numel() * t.element_size():
+            t = t.clone()
+        taken.add(t.untyped_storage().data_ptr())
+        fresh.append(t)
+    return tuple(fresh)
 
 
 def _checked(problem):

@@ -556,6 +556,16 @@ def test_torch_compile_passes_the_backend_keyword(device):
                    anymla.flash_mla_sparse_fwd(**a, backend="reference"))
 
 
+def test_custom_op_outputs_never_share_memory_under_inference_mode(device):
+    """The Triton plan returns prefill's max_logits and lse as halves of one allocation; views made under
+    inference mode have no ``_base``, and torch rejects custom-op outputs that alias each other."""
+    a = prefill_args(device, h_q=4, poison=False)
+    with torch.inference_mode():
+        outs = torch.ops.anymla.sparse_prefill(a["q"], a["kv"], a["indices"], 0.5, 512, None, None, "triton")
+    assert len({t.untyped_storage().data_ptr() for t in outs}) == 3
+    assert_bitwise(outs, anymla.flash_mla_sparse_fwd(a["q"], a["kv"], a["indices"], 0.5, backend="triton"))
+
+
 def test_opcheck_sparse_prefill():
     a = prefill_args(h_q=4, sink=True, topk_length=True, poison=False)
     torch.library.opcheck(torch.ops.anymla.sparse_prefill.default,
