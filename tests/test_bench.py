@@ -227,6 +227,12 @@ def test_tune_writes_a_file_the_dispatcher_reads(tmp_path):
 
 # ---------------------------------------------------------------- the command line
 
+# The command-line tests run the Triton tier in Triton's interpreter in a subprocess.
+_INTERPRETER = pytest.mark.skipif(bool(anymla.triton_kernels.runtime.interpreter_reasons()),
+                                  reason="; ".join(anymla.triton_kernels.runtime.interpreter_reasons()))
+
+
+@_INTERPRETER
 def test_cli_quick_suite_end_to_end(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -324,6 +330,7 @@ print("DISABLE_MMA_V3 when triton was imported:", seen.get("triton", "never impo
 """
 
 
+@_INTERPRETER
 def test_mma_sync_on_the_command_line_sets_disable_mma_v3_before_triton_is_imported(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "DISABLE_MMA_V3"}
     env["TRITON_INTERPRET"] = "1"

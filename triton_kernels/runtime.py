@@ -30,7 +30,7 @@ def unavailable_reasons(device: torch.device) -> list[str]:
         if os.environ.get("TRITON_INTERPRET") != "1" or not interpreting():
             return ["Triton has no CPU code generator: set TRITON_INTERPRET=1 before importing anymla to run "
                     "the kernels in Triton's interpreter (slow; meant for tests)"]
-        return []
+        return interpreter_reasons()
     if interpreting():
         return [f"Triton's interpreter is active (TRITON_INTERPRET=1): it runs CPU tensors only, not {device.type}"]
     if device.type == "cuda":
@@ -45,6 +45,24 @@ def unavailable_reasons(device: torch.device) -> list[str]:
             return ["Ascend NPUs need triton-ascend (found PyPI's triton, which has no Ascend backend)"]
         return []
     return [f"the Triton tier targets cuda, npu and (interpreted) cpu devices, not {device.type}"]
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter_reasons() -> list[str]:
+    """Why Triton's interpreter cannot run the kernels with the installed Triton and NumPy; empty when it can.
+    Before 3.7 the interpreter turns a loaded scalar (a one-element array there) into a loop bound with
+    ``int()``, which NumPy 2 refuses for arrays that are not 0-dimensional (found with Triton 3.6.0, NumPy 2.4)."""
+    import numpy
+    import triton
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7):
+        return []
+    try:
+        int(numpy.zeros(1, dtype=numpy.int32))
+    except TypeError:
+        return [f"Triton {triton.__version__}'s interpreter cannot run the kernels with NumPy {numpy.__version__} "
+                "(it converts one-element arrays to int, which NumPy 2 refuses): use Triton 3.7 or newer for the "
+                "interpreter"]
+    return []
 
 
 # Below this much shared memory a block (sm_86, sm_89: 99 KB) the 64-head tiles fit at no pipeline depth.
