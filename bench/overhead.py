@@ -292,14 +292,23 @@ def _server(h_q: int, sizes, device, s_k: int = 4096) -> dict:
 _REPEATS = 5  # a repeated call's time: the median of this many, after the first
 
 
+# Written before every timed call: a repeated call would otherwise find its cache rows in L2, which a first
+# call cannot (at b = 1 that alone made the first call 2x a repeated one, run 49), and neither can a decoding
+# step, whose rows are new every layer.
+_L2_FLUSH_BYTES = 256 << 20
+
+
 def _first_calls(big: dict, sizes, device) -> tuple[list, int]:
-    """Per size: (first call µs, repeated call µs) wall time with a synchronization, and kernels compiled."""
+    """Per size: (first call µs, repeated call µs) wall time with a synchronization, L2 flushed before each,
+    and kernels compiled."""
     from anymla.triton_kernels.launcher import compiled_kernels
     kernels0, times = compiled_kernels(), []
+    flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
     for b in sizes:
         a = {k: (v[:b] if k in _PER_REQUEST else v) for k, v in big.items()}
         run = []
         for _ in range(1 + _REPEATS):
+            flush.zero_()
             torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             anymla.flash_mla_with_kvcache(**a)
