@@ -292,9 +292,8 @@ def _server(h_q: int, sizes, device, s_k: int = 4096) -> dict:
 _REPEATS = 5  # a repeated call's time: the median of this many, after the first
 
 
-# Written before every timed call: a repeated call would otherwise find its cache rows in L2, which a first
-# call cannot (at b = 1 that alone made the first call 2x a repeated one, run 49), and neither can a decoding
-# step, whose rows are new every layer.
+# Written before every timed call, so that a repeated call does not find its cache rows in L2: a first call
+# cannot, and neither can a decoding step, whose rows are new every layer.
 _L2_FLUSH_BYTES = 256 << 20
 
 

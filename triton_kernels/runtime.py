@@ -47,7 +47,6 @@ def unavailable_reasons(device: torch.device) -> list[str]:
     return [f"the Triton tier targets cuda, npu and (interpreted) cpu devices, not {device.type}"]
 
 
-@functools.lru_cache(maxsize=None)
 def interpreter_reasons() -> list[str]:
     """Why Triton's interpreter cannot run the kernels with the installed Triton and NumPy; empty when it can.
     Before 3.7 the interpreter turns a loaded scalar (a one-element array there) into a loop bound with
