@@ -171,6 +171,7 @@ SUITES: dict[str, list[Case]] = {
     "tp": [
         _prefill("tp-prefill-h16-d576", 16, 576),
         _prefill("tp-prefill-h32-d512", 32, 512),
+        _prefill("tp-prefill-h32-d576", 32, 576),
         *[_sparse_decode(f"tp-sdecode-v32-b128-h{h}", 128, 1, h, "V32_FP8") for h in (8, 16, 32)],
         _sparse_decode("tp-sdecode-model1-b128-h16", 128, 1, 16, "MODEL1_FP8", **_MODEL1_EXTRA),
         _sparse_decode("tp-sdecode-v41+fp4-b128-h16", 128, 1, 16, "V41_FP8", **_V41_EXTRA),

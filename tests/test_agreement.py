@@ -247,7 +247,7 @@ WARP_SPECIALIZED_PREFILL += [
 def test_warp_specialized_sparse_prefill(backend, case, tol_scale, device):
     tuning = _warp_specialized_only(backend, device)
     args = _prefill_args(case, device)
-    # at most 32 heads: the few-head form, forced (the tile table does not pick it for prefill yet)
+    # at most 32 heads: the few-head form, forced whatever the tile table picks
     heads = 16 if case["h_q"] <= 16 else 32 if case["h_q"] <= 32 else 64
     with tuning.forced(tuning.TileConfig(heads, 64, 12, 2, False), warp_specialized=True):
         got = anymla.flash_mla_sparse_fwd(**args, backend=backend)

@@ -62,13 +62,17 @@ SWEEP.update({name: _FEW_HEADS for name in ("v32-decode-h16", "v32-decode-h8", "
 _FEW_HEAD_DECODE = [Config(), Config(splits=2)] + [Config(TileConfig(h, 64, 12, 2, False), sp, warp_specialized=True)
                                                    for h in (16, 32, 64) for sp in (None, 2)]
 _FEW_HEAD_PREFILL = [Config()] + [Config(TileConfig(h, 64, 12, 2, False), warp_specialized=True) for h in (16, 32)]
+# 64 and 128 heads as programs of 32 (or 16), whose two workers dequantize (the few-head form)
+_FEW_HEAD_PROGRAMS = [Config(TileConfig(h, 64, 12, 2, False), warp_specialized=True) for h in (32, 16)]
 SWEEP.update({name: _FEW_HEAD_DECODE for name in ("tp-sdecode-v32-b128-h16", "tp-sdecode-v32-b128-h8",
                                                   "tp-sdecode-v41+fp4-b128-h16", "tp-sdecode-model1-b128-h16")})
-SWEEP.update({"tp-prefill-h16-d576": _FEW_HEAD_PREFILL, "tp-prefill-h32-d512": _FEW_HEAD_PREFILL,
+SWEEP.update({"tp-prefill-h16-d576": _FEW_HEAD_PREFILL,
+              "tp-prefill-h32-d512": _FEW_HEAD_PREFILL, "tp-prefill-h32-d576": _FEW_HEAD_PREFILL,
               "tp-sdecode-v32-b128-h32": _FEW_HEAD_DECODE,
               "model1-config1-b128-sq2-h64": [Config(), Config(warp_specialized=False), Config(splits=1),
-                                              Config(splits=2)],
-              "model1-config2-b128-sq2-h128": [Config(), Config(warp_specialized=False), Config(splits=1)]})
+                                              Config(splits=2)] + _FEW_HEAD_PROGRAMS,
+              "model1-config2-b128-sq2-h128": [Config(), Config(warp_specialized=False), Config(splits=1)] +
+                                              _FEW_HEAD_PROGRAMS[:1]})
 
 
 def _describe(config: Config) -> str:
