@@ -41,7 +41,7 @@ for part in "${parts[@]}"; do
     tests)
       # shellcheck disable=SC2086
       # SIGINT at the time limit: pytest then still lists the failures so far (-rf)
-      ANYMLA_TEST_GRID=${ANYMLA_TEST_GRID:-small} timeout -s INT "${TESTS_TIMEOUT:-1000}" python3 -m pytest -q -rf --tb=line -n 8 -p no:cacheprovider --import-mode=importlib \
+      ANYMLA_TEST_GRID=${ANYMLA_TEST_GRID:-small} timeout -s INT "${TESTS_TIMEOUT:-1000}" python3 -m pytest -q -rfs --tb=line -n 8 -p no:cacheprovider --import-mode=importlib \
         ${TESTS:-tests} ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/tests.log" | grep -E "^FAILED|^ERROR|passed|failed" | tail -60 ;;
     overhead)
       flashmla_wait

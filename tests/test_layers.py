@@ -15,6 +15,9 @@ from anymla.layers import MLAConfig, MLAAttention, RopeTable, apply_rope, config
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 16,
         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 DEFAULT = {"rope_type": "default", "rope_theta": 10000.0}
+# Where the layer runs (the model itself always on the CPU in fp32): on a GPU it is the Triton tier's kernels
+_ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=_ON_GPU)]
 # (name, DeepseekV3Config overrides): q LoRA + YaRN (V3's shape), and no q LoRA + plain RoPE + biases +
 # rope_interleave=False (the permuted-weights variant)
 VARIANTS = {
@@ -80,10 +83,10 @@ def _hf_latent(attn, x: torch.Tensor) -> torch.Tensor:
         return attn.kv_a_layernorm(kv)
 
 
-def _empty_cache(fmt: F, nb: int, page: int) -> torch.Tensor:
+def _empty_cache(fmt: F, nb: int, page: int, device="cpu") -> torch.Tensor:
     if fmt is F.BF16:
-        return torch.full((nb, page, 1, 576), float("nan"), dtype=torch.bfloat16)
-    return torch.full((nb, page, 1, 656), 0xFF, dtype=torch.uint8)  # e4m3 NaN everywhere unwritten
+        return torch.full((nb, page, 1, 576), float("nan"), dtype=torch.bfloat16, device=device)
+    return torch.full((nb, page, 1, 656), 0xFF, dtype=torch.uint8, device=device)  # e4m3 NaN everywhere unwritten
 
 
 def _assert_matches(got: torch.Tensor, ref: torch.Tensor, rel_tol: float = 1.5e-2) -> None:
@@ -113,42 +116,47 @@ def _check_against_hf(attn, rotary, xs, outs, cache, table, fmt, page=4):
         _assert_matches(got, _reference(attn, rotary, x), rel_tol=6e-2)
 
 
-def _run_requests(layer, xs, prompt_lens, fmt, page=4, indices=None):
+def _run_requests(layer, xs, prompt_lens, fmt, page=4, indices=None, device="cpu"):
     """Prefill each request alone (its prompt), then decode the rest of all requests together, token by
-    token, through one paged cache. Returns each request's outputs ``[1, len, hidden]``."""
+    token, through one paged cache, the layer on ``device``. Returns each request's outputs ``[1, len,
+    hidden]``, the cache and the block table (on the CPU)."""
     lens = [x.shape[1] for x in xs]
     blocks = [math.ceil(n / page) for n in lens]
     nb = sum(blocks) + 3
-    cache = _empty_cache(fmt, nb, page)
+    cache = _empty_cache(fmt, nb, page, device)
     order = torch.randperm(nb, generator=torch.Generator().manual_seed(7))
     table = torch.full((len(xs), max(blocks)), nb - 1, dtype=torch.int32)
     at = 0
     for i, n in enumerate(blocks):
         table[i, :n] = order[at:at + n]
         at += n
+    layer = layer.to(device)
+    xs, table = [x.to(device) for x in xs], table.to(device)
+    indices = None if indices is None else [ind.to(device) for ind in indices]
     outs = []
     with torch.no_grad():
         for i, (x, p) in enumerate(zip(xs, prompt_lens)):
-            pos = torch.arange(p)[None]
+            pos = torch.arange(p, device=device)[None]
             idx = None if indices is None else indices[i][:, :p]
-            outs.append([layer(x[:, :p].bfloat16(), pos, cache, table[i:i + 1], torch.tensor([p], dtype=torch.int32),
-                               indices=idx)])
+            outs.append([layer(x[:, :p].bfloat16(), pos, cache, table[i:i + 1],
+                               torch.tensor([p], dtype=torch.int32, device=device), indices=idx)])
         steps = [n - p for n, p in zip(lens, prompt_lens)]
         assert len(set(steps)) == 1, "requests decode the same number of steps"
         for k in range(steps[0]):
-            pos = torch.tensor([[p + k] for p in prompt_lens])
+            pos = torch.tensor([[p + k] for p in prompt_lens], device=device)
             x = torch.cat([x[:, p + k:p + k + 1] for x, p in zip(xs, prompt_lens)]).bfloat16()
             idx = None if indices is None else torch.cat([ind[:, p + k:p + k + 1]
                                                           for ind, p in zip(indices, prompt_lens)])
             out = layer(x, pos, cache, table, (pos[:, 0] + 1).int(), indices=idx)
             for i in range(len(xs)):
                 outs[i].append(out[i:i + 1])
-    return [torch.cat(o, 1) for o in outs], cache, table
+    return [torch.cat(o, 1).cpu() for o in outs], cache.cpu(), table.cpu()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", [F.BF16, F.V32_FP8], ids=lambda f: f.name)
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_matches_hf_deepseek_v3_prefill_and_decode(variant, fmt):
+def test_matches_hf_deepseek_v3_prefill_and_decode(variant, fmt, device):
     _hf()
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
     cfg = _v3_config(**VARIANTS[variant])
@@ -157,11 +165,12 @@ def test_matches_hf_deepseek_v3_prefill_and_decode(variant, fmt):
     g = torch.Generator().manual_seed(5)
     xs = [torch.randn(1, n, cfg.hidden_size, generator=g).bfloat16().float() for n in (10, 7)]
     layer = from_hf(attn)
-    outs, cache, table = _run_requests(layer, xs, [6, 3], fmt)
+    outs, cache, table = _run_requests(layer, xs, [6, 3], fmt, device=device)
     _check_against_hf(attn, rotary, xs, outs, cache, table, fmt)
 
 
-def test_matches_hf_deepseek_v32_sparse_attention_with_its_indexer():
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_hf_deepseek_v32_sparse_attention_with_its_indexer(device):
     """V3.2: the indices its indexer picks (top 4 of up to 12 tokens), fed to the layer as DSA indices."""
     _hf()
     from transformers import DeepseekV32Config
@@ -182,10 +191,10 @@ def test_matches_hf_deepseek_v32_sparse_attention_with_its_indexer():
     assert indices[0].shape == (1, 12, 4) and indices[1].shape == (1, 9, 4)
     layer = from_hf(attn)
     for fmt in (F.BF16, F.V32_FP8):
-        outs, cache, table = _run_requests(layer, xs, [8, 5], fmt, indices=indices)
+        outs, cache, table = _run_requests(layer, xs, [8, 5], fmt, indices=indices, device=device)
         _check_against_hf(attn, rotary, xs, outs, cache, table, fmt)
         # the indices matter: dense attention over the same cache gives another answer
-        dense, _, _ = _run_requests(layer, xs[:1], [8], fmt)
+        dense, _, _ = _run_requests(layer, xs[:1], [8], fmt, device=device)
         assert (dense[0] - outs[0]).abs().max() > 0.05 * outs[0].abs().max()
 
 
@@ -238,9 +247,14 @@ _V4_CACHES = {F.BF16: (512, torch.bfloat16), F.MODEL1_FP8: (584, torch.uint8), F
               F.V41_FP4: (288, torch.uint8)}
 
 
-@pytest.mark.parametrize("tier", ["default", "triton"])
+# (device, tier): on the CPU the default tier (the reference) and the Triton tier (its interpreter); on a GPU the
+# default is the Triton tier
+V4_WHERE = [("cpu", "default"), ("cpu", "triton"), pytest.param("cuda", "default", marks=_ON_GPU)]
+
+
+@pytest.mark.parametrize("device,tier", V4_WHERE)
 @pytest.mark.parametrize("fmt", list(_V4_CACHES), ids=lambda f: f.name)
-def test_matches_hf_deepseek_v4_sliding_attention_prefill_and_decode(fmt, tier):
+def test_matches_hf_deepseek_v4_sliding_attention_prefill_and_decode(fmt, device, tier):
     """V4 (shared K = V head of 512, sinks, a window of 6, grouped output projection): a prompt of 9 tokens,
     then 7 decoding steps, over a paged cache of each V4 format, against the module (on the rows a quantized
     cache returns); ``triton``: the cache writer, slots and attention on the Triton tier."""
@@ -250,22 +264,24 @@ def test_matches_hf_deepseek_v4_sliding_attention_prefill_and_decode(fmt, tier):
         pytest.skip("the Triton tier runs on the CPU only in its interpreter (TRITON_INTERPRET=1)")
     attn, rotary = _v4_module(window=6)
     assert config_from_hf_v4(attn).sliding_window == 6
-    layer = from_hf_v4(attn)
+    layer = from_hf_v4(attn).to(device)
     if tier == "triton":
         layer.kernel_backend = layer.attention_backend = "triton"
     g = torch.Generator().manual_seed(9)
     x = torch.randn(1, 16, 64, generator=g).bfloat16().float()
     page, nb = 4, 6
     last, dtype = _V4_CACHES[fmt]
-    cache = torch.full((nb, page, 1, last), float("nan") if fmt is F.BF16 else 0xFF, dtype=dtype)
+    cache = torch.full((nb, page, 1, last), float("nan") if fmt is F.BF16 else 0xFF, dtype=dtype, device=device)
     table = torch.randperm(nb, generator=g)[None].int()
     pos = torch.arange(16)[None]
+    xd, posd, tabled = x.to(device), pos.to(device), table.to(device)
     with torch.no_grad():
-        outs = [layer(x[:, :9].bfloat16(), pos[:, :9], cache, table)]
-        outs += [layer(x[:, t:t + 1].bfloat16(), pos[:, t:t + 1], cache, table) for t in range(9, 16)]
-    got = torch.cat(outs, 1)
+        outs = [layer(xd[:, :9].bfloat16(), posd[:, :9], cache, tabled)]
+        outs += [layer(xd[:, t:t + 1].bfloat16(), posd[:, t:t + 1], cache, tabled) for t in range(9, 16)]
+    got, cache = torch.cat(outs, 1).cpu(), cache.cpu()
     rows = None if fmt is F.BF16 else gather_rows(cache, cache_slots(pos, table, page)[0])
-    _assert_matches(got, _v4_reference(attn, rotary, x, rows), rel_tol=2e-2 if tier == "triton" else 1.5e-2)
+    kernels_tier = tier == "triton" or device == "cuda"
+    _assert_matches(got, _v4_reference(attn, rotary, x, rows), rel_tol=2e-2 if kernels_tier else 1.5e-2)
     if fmt is not F.BF16:  # the quantization error only
         _assert_matches(got, _v4_reference(attn, rotary, x), rel_tol=0.15 if fmt is F.V41_FP4 else 6e-2)
 
