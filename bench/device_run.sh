@@ -9,7 +9,8 @@
 #             ANYMLA_HOPPER_KERNELS=0 runs it on the portable kernels, with DISABLE_MMA_V3=1 on the mma.sync path;
 #             $TESTS_K: a -k expression)
 #   overhead  python -m anymla.bench.overhead, in a fresh Triton cache (its cold-start part counts compiles)
-#   sweep     the harness's tile sweep ($SWEEP_SUITE, default tp; $SWEEP_CASES: case names, default all)
+#   sweep     the harness's tile sweep ($SWEEP_SUITE, default tp; $SWEEP_CASES: case names, default all;
+#             $SWEEP_ARGS: more options, e.g. --portable, with DISABLE_MMA_V3=1 for the mma.sync stand-in)
 #   bench     python -m anymla.bench ($BENCH_ARGS, default --suite canonical --suite tp), FlashMLA included
 #   layer     python -m anymla.bench.layer
 #   ncu       Nsight Compute on one kernel launch of each of $NCU_CASES (cases of $NCU_SUITE, default tp; kernels
@@ -49,7 +50,7 @@ for part in "${parts[@]}"; do
     sweep)
       cases=(); for c in ${SWEEP_CASES:-}; do cases+=(--case "$c"); done
       timeout "${SWEEP_TIMEOUT:-1000}" python3 -m anymla.triton_kernels.harness --suite "${SWEEP_SUITE:-tp}" --sweep \
-        "${cases[@]}" --csv "$OUT/sweep.csv" > "$OUT/sweep.log" 2>&1; tail -60 "$OUT/sweep.log" ;;
+        ${SWEEP_ARGS:-} "${cases[@]}" --csv "$OUT/sweep.csv" > "$OUT/sweep.log" 2>&1; tail -60 "$OUT/sweep.log" ;;
     bench)
       flashmla_wait
       # shellcheck disable=SC2086

@@ -173,7 +173,7 @@ _SHIPPED_ROWS = (128, 32, 16)
 def _jobs(shipped: bool, arch: Arch) -> list:
     """(label, kernel, pointer types, constexprs of a tile, tiles): the sweep's configs, or the ones shipped
     for ``arch`` at each of _SHIPPED_ROWS."""
-    from .harness import SWEEP
+    from .harness import PORTABLE_SWEEP, SWEEP
     from .tuning import dense_config, sparse_config
     kind = arch.kind
 
@@ -181,7 +181,7 @@ def _jobs(shipped: bool, arch: Arch) -> list:
         if shipped:
             return [dense_config(kind, rows) if fmt is None else sparse_config(kind, rows, fmt != "BF16", fmt)
                     for rows in _SHIPPED_ROWS]
-        return [c.tile for case in sweep_cases for c in SWEEP[case] if c.tile]
+        return [c.tile for case in sweep_cases for c in SWEEP[case] + PORTABLE_SWEEP.get(case, []) if c.tile]
     return [
         ("sparse_prefill d576", sparse_mla_kernel, _sparse_ptrs(0), lambda t: sparse_constexprs(t, 576, 0, arch=arch),
          tiles(["prefill-v32-h128"], "BF16")),

@@ -1,10 +1,12 @@
 """The Triton tier's own harness: tile configurations of the kernels on the bench's shapes.
 
-    python -m anymla.triton_kernels.harness [--suite NAME] [--case NAME ...] [--sweep] [--csv FILE]
+    python -m anymla.triton_kernels.harness [--suite NAME] [--case NAME ...] [--sweep] [--portable] [--csv FILE]
 
 For each case of a suite of ``python -m anymla.bench`` (default: canonical; same inputs, cost model, timer and
 same-run ceilings) it checks every configuration in :data:`SWEEP` against the PyTorch reference (FlashMLA's
-tolerances) and only then times it. Without ``--sweep`` it times the shipped configuration. The user-facing
+tolerances) and only then times it. Without ``--sweep`` it times the shipped configuration. ``--portable`` sweeps
+the portable kernels' tiles instead (:data:`PORTABLE_SWEEP`, the Hopper kernels off), the stand-in for the GPUs
+without them; with ``DISABLE_MMA_V3=1`` in the environment Triton lowers their ``tl.dot`` to mma.sync. The user-facing
 comparison across backends is ``python -m anymla.bench``; this harness tunes the kernels themselves (see each
 NOTES.md).
 """
@@ -74,6 +76,17 @@ SWEEP.update({"tp-prefill-h16-d576": _FEW_HEAD_PREFILL,
               "model1-config2-b128-sq2-h128": [Config(), Config(warp_specialized=False), Config(splits=1)] +
                                               _FEW_HEAD_PROGRAMS[:1]})
 
+# The portable kernels on the canonical shapes (--portable): the shipped tile (Config()), then tiles that fit the
+# 163 KB of an sm_80 block and spill less there (compile_report --arch 80, Triton 3.7.1: the shipped 64-row V3.2
+# decoding tile spills 1936 B with mma.sync, whose A operand, q, lives in registers), for the mma.sync stand-in.
+_P = lambda bh, bn, w, st, skip=False: Config(TileConfig(bh, bn, w, st, skip))  # noqa: E731
+PORTABLE_SWEEP = {
+    "prefill-v32-h128": [Config(), _P(64, 32, 8, 3), _P(32, 64, 4, 2), _P(16, 64, 4, 2)],
+    "sdecode-v32-b128-sq2-h128": [Config(), _P(64, 32, 8, 1), _P(32, 32, 4, 6), _P(16, 32, 4, 6)],
+    "ddecode-b128-sq2-h128-sk8192": [Config(), _P(64, 32, 8, 3), _P(32, 32, 4, 6, True)],
+    "ddecode-b128-h16-sk8192": [Config(), _P(16, 32, 4, 8, True), _P(16, 64, 4, 4, True)],
+}
+
 
 def _describe(config: Config) -> str:
     tile, splits, tma, ws = config
@@ -87,7 +100,7 @@ def _describe(config: Config) -> str:
     return text + ("" if ws is None else (" warp-specialized" if ws else " portable"))
 
 
-def run(suite: str, case_names, sweep: bool, reps: int, csv_path) -> list[dict]:
+def run(suite: str, case_names, sweep: bool, reps: int, csv_path, portable: bool = False) -> list[dict]:
     device = torch.device("cuda")
     timer = Timer(device, reps)
     ceilings = measure_ceilings(device, timer)
@@ -101,7 +114,10 @@ def run(suite: str, case_names, sweep: bool, reps: int, csv_path) -> list[dict]:
         expected = fn(**{**args, "tile_scheduler_metadata": None} if "tile_scheduler_metadata" in args else args,
                       backend="reference")
         cost = model.cost(case.op, args)
-        for config in (SWEEP.get(case.name, []) if sweep else [Config()]):
+        configs = (PORTABLE_SWEEP if portable else SWEEP).get(case.name, []) if sweep else [Config()]
+        for config in configs:
+            if portable:
+                config = config._replace(warp_specialized=False)
             row = dict(case=case.name, config=_describe(config))
             tile = config.tile
             try:
@@ -162,12 +178,13 @@ def main() -> None:
     ap.add_argument("--suite", default="canonical", help="a suite of python -m anymla.bench (default: canonical)")
     ap.add_argument("--case", action="append", help="case name(s) of the suite (default: all)")
     ap.add_argument("--sweep", action="store_true", help="try every configuration in SWEEP")
+    ap.add_argument("--portable", action="store_true", help="the portable kernels only (PORTABLE_SWEEP with --sweep)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--csv")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("the harness times CUDA kernels; no CUDA device here (CPU correctness: the test suite)")
-    run(a.suite, a.case, a.sweep, a.reps, a.csv)
+    run(a.suite, a.case, a.sweep, a.reps, a.csv, a.portable)
 
 
 if __name__ == "__main__":
