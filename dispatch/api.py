@@ -129,13 +129,14 @@ def flash_mla_with_kvcache(
                                            bool(causal), bool(is_fp8_kvcache), indices, attn_sink, extra_k_cache,
                                            extra_indices_in_kvcache, topk_length, extra_topk_length,
                                            bool(enable_batch_invariant), _backend_arg(backend))
-    else:
-        problem = decode_problem(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
-                                 is_fp8_kvcache, indices, attn_sink, extra_k_cache, extra_indices_in_kvcache,
-                                 topk_length, extra_topk_length, enable_batch_invariant, tile_scheduler_metadata,
-                                 num_splits)
-        out, lse = _execute(select(problem, backend), problem)
-    return (out, lse) if indices is None else (out, lse.transpose(1, 2))
+        return (out, lse) if indices is None else (out, lse.transpose(1, 2))
+    problem = decode_problem(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
+                             is_fp8_kvcache, indices, attn_sink, extra_k_cache, extra_indices_in_kvcache,
+                             topk_length, extra_topk_length, enable_batch_invariant, tile_scheduler_metadata,
+                             num_splits)
+    out, lse = _execute(select(problem, backend), problem)
+    # lse is [b, s_q, h_q]: .mT is its transpose(1, 2), without the argument parsing (~0.3 µs less a call)
+    return (out, lse) if indices is None else (out, lse.mT)
 
 
 def _check_scale_type(name: str, value) -> None:

@@ -14,9 +14,10 @@ import contextlib
 import contextvars
 from typing import Optional
 
-from .environment import env
+from .environment import reader
 
 ENV_DEBUG = "ANYMLA_DEBUG"
+_read_debug = reader(ENV_DEBUG)
 _SCOPED: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("anymla_debug", default=None)
 
 
@@ -32,4 +33,4 @@ def debug_checks(enabled: bool = True):
 
 def debug_enabled() -> bool:
     scoped = _SCOPED.get()
-    return env(ENV_DEBUG) == "1" if scoped is None else scoped
+    return _read_debug() == "1" if scoped is None else scoped

@@ -24,10 +24,16 @@ from .metadata import FlashMLASchedMeta
 HEAD_DIM_V = 512
 _INT32_MAX = 2 ** 31 - 1
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16)
+_Tensor = torch.Tensor  # a module global: one attribute lookup less per tensor of every call
 
 
 def _tensor_sig(t: Optional[torch.Tensor]):
-    return (t.shape, t.dtype, t.device, t.stride()) if isinstance(t, torch.Tensor) else (None if t is None else type(t))
+    """A tensor's part of a signature, read anew on every call (``resize_`` and ``as_strided_`` change it in
+    place); an argument of another kind keys by its type, so validation reports it. None, the commonest
+    optional argument, is tested first."""
+    if t is None:
+        return None
+    return (t.shape, t.dtype, t.device, t.stride()) if isinstance(t, _Tensor) else type(t)
 
 
 def _need_tensor(name: str, t, ndim: int, dims_doc: str) -> None:
@@ -106,8 +112,11 @@ class _Problem:
         return self.q.device
 
     def check_values(self) -> None:
-        """Every call: the arguments that are not part of :meth:`signature`."""
-        check_scale(self.scale_name, self.sm_scale)
+        """Every call: the arguments that are not part of :meth:`signature`. A positive finite float, the
+        usual scale, passes with two comparisons; any other value gets :func:`check_scale`'s full check."""
+        scale = self.sm_scale
+        if not (type(scale) is float and 0.0 < scale < math.inf):
+            check_scale(self.scale_name, scale)
 
 
 @dataclass
@@ -381,6 +390,12 @@ def check_num_splits(num_splits) -> None:
                          f"got {type(num_splits).__name__}")
 
 
+def _reject_sparse_only(**arguments) -> None:
+    for name, value in arguments.items():
+        if value is not None:
+            raise ValueError(f"{name}: only sparse decoding (with indices) takes it; got it without indices")
+
+
 def decode_problem(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8_kvcache,
                    indices, attn_sink, extra_k_cache, extra_indices, topk_length, extra_topk_length,
                    batch_invariant, sched, num_splits=None) -> "DenseDecode | SparseDecode":
@@ -393,13 +408,12 @@ def decode_problem(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_s
     if sched is not None and not isinstance(sched, FlashMLASchedMeta):
         raise TypeError("tile_scheduler_metadata: expected the FlashMLASchedMeta from anymla.get_mla_metadata(), "
                         f"got {type(sched).__name__}")
-    if softmax_scale is None and isinstance(q, torch.Tensor):  # else validation reports q
+    if softmax_scale is None and isinstance(q, _Tensor):  # else validation reports q
         softmax_scale = q.shape[-1] ** -0.5
     if indices is None:
-        for name, value in (("topk_length", topk_length), ("extra_k_cache", extra_k_cache),
-                            ("extra_indices_in_kvcache", extra_indices), ("extra_topk_length", extra_topk_length)):
-            if value is not None:
-                raise ValueError(f"{name}: only sparse decoding (with indices) takes it; got it without indices")
+        if not (topk_length is None and extra_k_cache is None and extra_indices is None and extra_topk_length is None):
+            _reject_sparse_only(topk_length=topk_length, extra_k_cache=extra_k_cache,
+                                extra_indices_in_kvcache=extra_indices, extra_topk_length=extra_topk_length)
         if is_fp8_kvcache:
             raise ValueError("is_fp8_kvcache: dense decoding (no indices) needs a bf16/fp16 cache; "
                              "FP8 caches are decoded sparsely (pass indices)")

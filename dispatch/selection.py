@@ -23,7 +23,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .debug import debug_enabled
-from .environment import env as read_env
+from .environment import reader
 from .registry import Backend, generation, get_backend, registered_backends
 
 PRIORITY = {
@@ -36,6 +36,8 @@ DEFAULT_PRIORITY = ("triton", "reference")
 ENV_BACKEND = "ANYMLA_BACKEND"
 ENV_TUNING = "ANYMLA_TUNING"
 _CACHE_LIMIT = 4096
+_read_backend = reader(ENV_BACKEND)
+_read_tuning = reader(ENV_TUNING)
 
 BackendChoice = Union[str, Sequence[str], None]
 
@@ -142,7 +144,7 @@ def _override(keyword: BackendChoice) -> tuple[Optional[tuple], str]:
     ctx = _CONTEXT.get()
     if ctx is not None:
         return ctx, "context"
-    env = read_env(ENV_BACKEND) or ""
+    env = _read_backend() or ""
     if env and env != "auto":
         return _as_names(env, ENV_BACKEND), "env"
     return None, "auto"
@@ -161,7 +163,7 @@ def load_tuning(path: Optional[str]) -> None:
 
 def _sync_tuning() -> int:
     """Follow ``ANYMLA_TUNING`` (set, changed or unset since last call); the version of the choices in force."""
-    env = read_env(ENV_TUNING) or None
+    env = _read_tuning() or None
     if env != _TUNING["env"]:
         _TUNING["env"] = env
         load_tuning(env)
