@@ -67,6 +67,76 @@ def test_writer_matches_reference_and_quantize(fmt, dtype):
         assert torch.equal(blocks(ours), blocks(whole))
 
 
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_E2M1_BELOW_6 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
+
+
+def _fp4_tie_rows(n: int, dtype, g) -> torch.Tensor:
+    """Rows of 32 FP4 tiles built on their scales: a tile's amax is 6 s for an e4m3 value s (any, subnormals
+    too), so s is its scale; its other elements are the midpoints m * s between e2m1 values (ties) and the
+    values themselves, each exact or one ulp of ``dtype`` above or below, with random signs (-0.0 for zeros).
+    Tile k with k % 17 = 1 saturates (amax 6.5 s), = 2 has its scale clamped at 448, = 3, 4, 5 holds inf,
+    -inf, NaN, = 6 is zeros and -0.0, = 7 is scaled down to a scale clamped at 2^-9."""
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    scales = e4m3[(e4m3 >= 2.0 ** -9) & (e4m3 <= 448)]
+    tiles = n * 32
+    s = scales[torch.randint(len(scales), (tiles, 1), generator=g)]
+    kind = torch.arange(tiles)[:, None] % 17
+    s = torch.where(kind == 2, 448.0, s)
+    grid = torch.tensor(_E2M1_MIDPOINTS + _E2M1_BELOW_6)
+    x = (grid[torch.randint(len(grid), (tiles, 16), generator=g)] * s).to(dtype)
+    step = torch.randint(-1, 2, x.shape, generator=g)
+    x = torch.where(step > 0, torch.nextafter(x, torch.full_like(x, float("inf"))),
+                    torch.where(step < 0, torch.nextafter(x, torch.zeros_like(x)), x))
+    amax_at = torch.nn.functional.one_hot(torch.randint(16, (tiles,), generator=g), 16).bool()
+    x = torch.where(amax_at, (torch.where(kind == 1, 6.5, 6.0) * s).to(dtype), x)
+    x = torch.where(kind == 2, x * 4, x)  # amax 24 * 448: most codes saturate
+    x = torch.where(kind == 6, torch.zeros_like(x), x)
+    x = torch.where(kind == 7, x * 2.0 ** -12, x)
+    x = torch.where(torch.randint(0, 2, x.shape, generator=g).bool(), -x, x)
+    for k, special in ((3, float("inf")), (4, -float("inf")), (5, float("nan"))):
+        x = torch.where((kind == k) & amax_at.roll(1, 1), torch.tensor(special, dtype=dtype), x)
+    return x.reshape(n, 512).to(DEVICE)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_fp4_writer_at_ties_and_special_values(dtype):
+    """The FP4 writer compares values with midpoint-times-scale thresholds where quantize() rounds a quotient:
+    the same bytes on ties, their one-ulp neighbours (fp32 ones the closest), signs, zeros, -0.0, saturation,
+    clamped scales, inf and NaN."""
+    g = torch.Generator().manual_seed(8)
+    nb, page = 6, 8
+    rows = _fp4_tie_rows(nb * page, dtype, g)
+    slots = torch.randperm(nb * page, generator=g).to(DEVICE)
+    ours, ref = _empty_cache(F.V41_FP4, nb, page, 512), _empty_cache(F.V41_FP4, nb, page, 512)
+    write_cache(ours, rows[slots], slots)
+    write_cache_reference(ref, rows[slots], slots)
+    assert torch.equal(_storage(ours), _storage(ref))
+    # the rows probe what they are meant to: a tie in about one element of ten, every code (but 8: a zero
+    # is written unsigned)
+    q = kvcache.quantize(rows.view(nb, page, 1, 512), F.V41_FP4).view(-1, 288)
+    s = q[:, 256:].contiguous().view(torch.float8_e4m3fn).float().repeat_interleave(16, 1)
+    ties = sum((rows.float().abs() == m * s) for m in _E2M1_MIDPOINTS)
+    assert ties.float().mean() > 0.08
+    codes = torch.stack([q[:, :256] & 0xF, q[:, :256] >> 4])
+    assert set(codes.unique().tolist()) == set(range(16)) - {8}
+
+
+def test_e2m1_thresholds_order_as_the_rounded_quotient():
+    """The FP4 writer's premise (kernel.e2m1_code): for every e4m3 scale s and e2m1 midpoint m, fl(x / s)
+    compares with m as x does with m * s, for the fp32 values within 1000 ulps of m * s (past them both sides
+    are far from a tie)."""
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    s = e4m3[(e4m3 >= 2.0 ** -9) & (e4m3 <= 448)]
+    m = torch.tensor(_E2M1_MIDPOINTS).repeat_interleave(len(s))[:, None]
+    s = s.repeat(len(_E2M1_MIDPOINTS))[:, None]
+    t = m * s
+    assert torch.equal(t.double(), m.double() * s.double())  # exact
+    x = (t.view(torch.int32) + torch.arange(-1000, 1001)).view(torch.float32)
+    assert torch.equal(x / s > m, x > t) and torch.equal(x / s >= m, x >= t)
+
+
 @needs_triton
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_writer_skips_invalid_slots_and_keeps_other_bytes(fmt):

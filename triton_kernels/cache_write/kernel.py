@@ -3,13 +3,14 @@ latent RMSNorm + k_pe RoPE + cache write, the q assembly (absorbed nope part + R
 indices' cache slots.
 
 Exactness. The encoders are integer arithmetic on fp32 bits, so the interpreter, NVIDIA and Ascend write the
-same bytes (NVIDIA sm_89+ converts the FP8 codes in hardware instead: the same rounding, far fewer
-instructions; see NOTES.md): e4m3 and the e4m3 FP4 scale round to nearest even (subnormals too), FP8 tile
-scales are ``2^ceil(log2(max(amax / 448, 1e-4)))`` with the ceiling taken exactly from the bits (``amax / 448`` with a
-correctly rounded division), and FP4 divides with ``div_rn`` as torch does. The bytes are those of
-:func:`anymla.kvcache.quantize` for bf16/fp16 rows; for fp32 rows they differ only where ``amax / 448``
-lies a few ulps above a power of two, where torch's fp32 ``log2`` rounds to the integer below (a tile
-scale one power of two smaller, values saturated at 448); see NOTES.md.
+same bytes (NVIDIA sm_89+ converts the e4m3 codes, FP8 values and FP4 scales, in hardware instead: the same
+rounding, far fewer instructions; see NOTES.md): e4m3 and the e4m3 FP4 scale round to nearest even (subnormals
+too), FP8 tile scales are ``2^ceil(log2(max(amax / 448, 1e-4)))`` with the ceiling taken exactly from the bits
+(``amax / 448`` with a correctly rounded division), and FP4 compares each value with midpoint-times-scale
+thresholds, which gives the codes of torch's correctly rounded quotient without dividing (:func:`e2m1_code`).
+The bytes are those of :func:`anymla.kvcache.quantize` for bf16/fp16 rows; for fp32 rows they differ only where
+``amax / 448`` lies a few ulps above a power of two, where torch's fp32 ``log2`` rounds to the integer below (a
+tile scale one power of two smaller, values saturated at 448); see NOTES.md.
 
 Stores are single bytes: a bf16 rope value or an fp32 scale is written as its 2 or 4 little-endian
 bytes, since triton-ascend rejects casts between pointers of different widths. Slots are
@@ -74,6 +75,15 @@ def e4m3_value(code):
 
 
 @triton.jit
+def e4m3_decode(code, NATIVE_FP8: tl.constexpr):
+    """e4m3fn byte -> fp32 (finite codes), exact: the hardware conversion (sm_89+) or :func:`e4m3_value`."""
+    if NATIVE_FP8:
+        return code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        return e4m3_value(code)
+
+
+@triton.jit
 def _exp2_int(e):
     """2^e as fp32 for an int32 e in the normal range, built from the exponent bits."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
@@ -88,15 +98,26 @@ def pow2_scale_exponent(amax):
 
 
 @triton.jit
-def e2m1_code(v):
-    """fp32 -> 4-bit e2m1 code (sign in bit 3): nearest of 0, .5, 1, 1.5, 2, 3, 4, 6, ties to the even
-    code, saturating at 6, NaN -> 0 (anymla.kvcache's rule)."""
+def e2m1_code(v, s):
+    """4-bit e2m1 code (sign in bit 3) of torch's correctly rounded ``fl(v / s)`` for fp32 ``v`` and an e4m3
+    scale value ``s``, as an fp32 integer: nearest of 0, .5, 1, 1.5, 2, 3, 4, 6, ties to the even code,
+    saturating at 6; NaN (in ``v`` or ``s``) compares false, so it and what rounds to 0 (-0.0 too) get code 0
+    (anymla.kvcache's rule)."""
+    # No division: v is compared with t = m * s for the midpoints m between the e2m1 values. t is exact in
+    # fp32 (m has <= 3 significant bits, s <= 4), and a float v != t lies at least one fp32 spacing from t,
+    # >= 2^(e(m) + e(s) - 23) (e: the exponent; half that just below a power of two, where m is one too),
+    # which divided by s < 2^(e(s) + 1) exceeds half the spacing at m: fl(v / s) = m only where v = t.
+    # Rounding is monotone, so fl(v / s) compares with m as v does with t, ties included.
+    # A binary search over the midpoints: 1.75, then 0.75 or 3.5 (the codes above them, 4, 2, 6, are even: a
+    # tie goes up, >=), then 0.25, 1.25, 2.5 or 5 (odd codes above: a tie stays, >). Each threshold is built
+    # from the 0 / 1 outcomes by multiply-adds rather than selects (no predicates to hold), exactly: every
+    # term and partial sum is s times a number of <= 4 significant bits.
     mag = tl.abs(v)
-    code = ((mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
-            + (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
-            + (mag > 5.0).to(tl.int32))
-    code = tl.where(v != v, 0, code)
-    return tl.where((v < 0) & (code > 0), code + 8, code)
+    up4 = (mag >= 1.75 * s).to(tl.float32)
+    up2 = (mag >= 0.75 * s + up4 * (2.75 * s)).to(tl.float32)
+    up1 = (mag > 0.25 * s + up4 * (2.25 * s) + up2 * (s + up4 * (1.5 * s))).to(tl.float32)
+    neg = (v < -0.25 * s).to(tl.float32)
+    return up1 + 2.0 * up2 + 4.0 * up4 + 8.0 * neg
 
 
 @triton.jit
@@ -165,21 +186,46 @@ def store_bf16(cache_ptr, at, x, mask):
 
 
 @triton.jit
-def store_fp4_tiles(cache_ptr, row_at, scale_at, x_even, x_odd, mask):
-    """V4.1 FP4: ``x_even / x_odd [BT, 32, 8]`` are elements 16 t + 2 j and 16 t + 2 j + 1 of 32 tiles of 16.
-    Each tile's e4m3 scale is ``e4m3(clamp(amax / 6, 2^-9, 448))``; element 2i goes to the low nibble of
-    byte i, 2i + 1 to its high nibble."""
-    amax = tl.maximum(tl.max(tl.abs(x_even), axis=2), tl.max(tl.abs(x_odd), axis=2))
-    s = tl.minimum(tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)), 0.001953125), 448.0)
-    s_code = e4m3_code(s)
-    s_val = e4m3_value(s_code)[:, :, None]
-    lo = e2m1_code(tl.math.div_rn(x_even, tl.broadcast_to(s_val, x_even.shape)))
-    hi = e2m1_code(tl.math.div_rn(x_odd, tl.broadcast_to(s_val, x_odd.shape)))
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def fp4_scales(amax, NATIVE_FP8: tl.constexpr):
+    """(e4m3 code, value) of the FP4 tile scales ``e4m3(clamp(amax / 6, 2^-9, 448))``; a NaN ``amax`` gets
+    torch's NaN code 0x7F and a NaN value (every code of its tile 0, as torch's ``x / NaN``)."""
+    nan = amax != amax
+    s = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)), 0.001953125)
+    code = tl.where(nan, 0x7F, e4m3_encode(s, NATIVE_FP8).to(tl.int32)).to(tl.uint8)  # saturated at 448
+    return code, tl.where(nan, amax, e4m3_decode(code, NATIVE_FP8))
+
+
+@triton.jit
+def float32_of(x):
+    """``x`` as fp32; bf16 by shifting its bits, which ``.to(tl.float32)`` takes two instructions for in the
+    upper half of a register on sm_90 (extract, then shift)."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def store_fp4_tiles(cache_ptr, row_at, scale_at, x, mask, NATIVE_FP8: tl.constexpr):
+    """V4.1 FP4 of ``x [2, BT, 32, 8]`` (the rows' dtype): ``x[h, r, t, j]`` is element 16 t + 8 h + j of row
+    r, 32 tiles of 16. Each tile's e4m3 scale is ``e4m3(clamp(amax / 6, 2^-9, 448))`` (at ``scale_at + t``);
+    element 2i goes to the low nibble of byte i (at ``row_at + i``), 2i + 1 to its high nibble."""
+    BT: tl.constexpr = x.shape[1]
+    x = float32_of(x)
+    # NaN-propagating as torch's amax (a plain tl.max drops NaN on NVIDIA GPUs, keeps it in the interpreter)
+    s_code, s = fp4_scales(tl.reduce(tl.reduce(tl.abs(x), 3, _max_nan), 0, _max_nan), NATIVE_FP8)
+    lo, hi = tl.split(tl.reshape(e2m1_code(x, s[None, :, :, None]), (2, BT, 32, 4, 2)))
     tiles = tl.arange(0, 32)
-    byte = tiles[:, None] * 8 + tl.arange(0, 8)[None, :]
-    packed = (lo | (hi << 4)).to(tl.uint8)
-    tl.store(cache_ptr + row_at[:, None, None] + byte[None, :, :], packed,
-             mask=tl.broadcast_to(mask[:, None, None], packed.shape))
+    byte = tl.arange(0, 2)[:, None, None] * 4 + tiles[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
+    # 2^23 + k has the bits 0x4B000000 + k (k < 2^23): the byte without a float-to-int conversion
+    packed = (lo + 16.0 * hi + 8388608.0).to(tl.int32, bitcast=True).to(tl.uint8)
+    tl.store(cache_ptr + row_at[None, :, None, None] + byte[:, None, :, :], packed,
+             mask=tl.broadcast_to(mask[None, :, None, None], packed.shape))
     tl.store(cache_ptr + scale_at[:, None] + tiles[None, :], s_code, mask=mask[:, None])
 
 
@@ -241,10 +287,14 @@ def cache_write_kernel(src_ptr, src_stride, slots_ptr, cache_ptr, n_tokens, capa
                 x = round_to(x.to(tl.float32), ty)
             tl.store(cache_ptr + row_at[:, None] + 512 + r[None, :], x, mask=m2)
     elif FMT == FMT_V41_FP4:
-        col = tl.arange(0, 32)[:, None] * 16 + 2 * tl.arange(0, 8)[None, :]
-        x_even = tl.load(src[:, None, None] + col[None, :, :], mask=m2[:, :, None], other=0.0).to(tl.float32)
-        x_odd = tl.load(src[:, None, None] + col[None, :, :] + 1, mask=m2[:, :, None], other=0.0).to(tl.float32)
-        store_fp4_tiles(cache_ptr, row_at, scale_at, x_even, x_odd, valid)
+        # Halves first, tokens next: Triton 3.7 then gives each lane one tile (both 16-byte halves, the amax
+        # in registers) and the two warps their own tokens, with no layout conversion before the code stores
+        # (3.6 spreads a tile over two lanes; NOTES.md). Every live token's row loads, so the slot math stays
+        # out of the load's layout; rows of invalid slots are not stored.
+        col = (tl.arange(0, 2)[:, None, None] * 8 + tl.arange(0, 32)[None, :, None] * 16
+               + tl.arange(0, 8)[None, None, :])
+        x = tl.load(src[None, :, None, None] + col[:, None, :, :], mask=live[None, :, None, None], other=0.0)
+        store_fp4_tiles(cache_ptr, row_at, scale_at, x, valid, NATIVE_FP8)
     else:
         # (tiles, tile width, bf16 tail at byte) of the FP8 formats: V32 4 x 128 + rope at 528, MODEL1
         # 7 x 64 (padded to 8) + rope at 448, V41 16 x 32 (everything quantized)
