@@ -275,6 +275,17 @@ def test_a_bound_launch_passes_a_call_s_tensors_and_rebuilds_its_list_for_a_new_
     shifted = torch.empty(33)[1:]
     run.bind((1, 1, 1), (cache, shifted, 2.0), lambda: full(shifted))
     assert len(built) == 2 and fn.calls == 2 and fn.compiled_with[1][2] is shifted
+    import triton
+    knobs = triton.knobs.runtime
+    if hasattr(knobs.launch_enter_hook, "add"):  # with a hook installed, the launch hands on the tensors themselves
+        hook = lambda *a: None  # noqa: E731
+        knobs.launch_enter_hook.add(hook)
+        try:
+            run.bind((3, 1, 1), (cache, out, 4.0), lambda: full(out))
+        finally:
+            knobs.launch_enter_hook.remove(hook)
+        assert fn.kernels[0].launches[-1][6] == ("metadata", (3, 1, 1), 7)
+        assert fn.kernels[0].launches[-1][-3] is out and len(built) == 2
     with pytest.raises(RuntimeError, match="per-call values"):
         launcher.Launcher(_Jit()).bind((1, 1, 1), (torch.empty(64, dtype=torch.uint8), out, 2.0), lambda: full(out))
 

@@ -32,10 +32,10 @@ def _knobs():
     return None if knobs is None else knobs.runtime
 
 
-def _hooked(knobs) -> bool:
+def _installed(hook) -> bool:
     """Whether a launch hook is installed. Triton 3.6+ keeps its hooks in an (empty) ``HookChain``, older ones
     in a plain attribute that is None when unset."""
-    return any(h is not None and getattr(h, "calls", True) for h in (knobs.launch_enter_hook, knobs.launch_exit_hook))
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,7 +81,7 @@ class Launcher:
             args = self._template.copy()
             for i, v in zip(self._slots, values):
                 args[i] = v
-            if self._launch_compiled(grid, args):
+            if self._launch_compiled(grid, args, owned=True):
                 return
         args = full()
         if self._template is None:
@@ -105,32 +105,34 @@ class Launcher:
             bits = (bits << 1) | (args[i].data_ptr() % 16 == 0)
         return bits
 
-    def _launch_compiled(self, grid: tuple, args: list) -> bool:
-        """Launch the kernel compiled for ``args``' alignment pattern, if there is one (True when launched)."""
+    def _launch_compiled(self, grid: tuple, args: list, owned: bool = False) -> bool:
+        """Launch the kernel compiled for ``args``' alignment pattern, if there is one (True when launched).
+        ``owned``: ``args`` is this call's own list, which may be overwritten (unless a hook needs it)."""
         if not self._compiled:
             return False
+        knobs = _knobs()
+        enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
+        hooked = _installed(enter) or _installed(leave)
         # Tensors go to the compiled kernel as their addresses: its C launcher takes an int as the pointer
         # itself, where for a tensor it calls data_ptr() and asks the driver to check the address
         # (cuPointerGetAttribute, ~1-2 µs a tensor). The addresses come from live tensors of this call.
-        bits, flat = 0, list(args)
+        bits, flat = 0, args if owned and not hooked else list(args)
         for i in self._pointers:
             ptr = flat[i].data_ptr()
             bits = (bits << 1) | (ptr % 16 == 0)
             flat[i] = ptr
         direct = self._compiled.get(bits)
-        if direct is None:
+        if direct is None:  # (an owned list, now holding addresses, is dropped by bind)
             return False
         kernel, run = direct.kernel, direct.run
-        knobs = _knobs()
         device, stream = _driver()
         s = stream(device())
         meta = None
-        if _hooked(knobs):  # hooks read the launch metadata, which wants the tensors themselves
+        if hooked:  # hooks read the launch metadata, which wants the tensors themselves
             meta, flat, run = kernel.launch_metadata(grid, s, *args), args, kernel.run
         else:
             flat = direct.encoded(flat)
-        run(grid[0], grid[1], grid[2], s, kernel.function, kernel.packed_metadata, meta,
-            knobs.launch_enter_hook, knobs.launch_exit_hook, *flat)
+        run(grid[0], grid[1], grid[2], s, kernel.function, kernel.packed_metadata, meta, enter, leave, *flat)
         return True
 
     def __call__(self, grid: tuple, args: list) -> None:
