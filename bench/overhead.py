@@ -158,7 +158,7 @@ def _without_launches(fn, device) -> float:
     the Python path and torch's allocations and views cost without the launches themselves."""
     from anymla.triton_kernels.launcher import Launcher
     launch = Launcher._launch_compiled
-    Launcher._launch_compiled = lambda self, grid, args: True
+    Launcher._launch_compiled = lambda self, grid, args, **options: True
     try:
         return _eager(fn, device)[0]
     finally:
