@@ -255,23 +255,6 @@ def test_warp_specialized_sparse_prefill(backend, case, tol_scale, device):
                     amplified=case.get("amplify", False), scale=tol_scale)
 
 
-# The few-head prefill form's three stages (16 heads of d_qk 512 a program, a third gathering warpgroup), forced
-THREE_STAGE_PREFILL = [c for c in WARP_SPECIALIZED_PREFILL if c["d_qk"] == 512 and c["h_q"] <= 24] + [
-    dict(d_qk=512, h_q=16, s_kv=1000, topk=256, s_q=5, dtype=torch.float16),
-    dict(d_qk=512, h_q=16, s_kv=200, topk=192, s_q=3, shuffle_invalid=True),
-    dict(d_qk=512, h_q=8, s_kv=1592, topk=448, s_q=33, amplify=True, sink=True, topk_length=True)]
-
-
-@pytest.mark.parametrize("case", THREE_STAGE_PREFILL, ids=_prefill_id)
-def test_warp_specialized_sparse_prefill_three_stages(backend, case, tol_scale, device):
-    tuning = _warp_specialized_only(backend, device)
-    args = _prefill_args(case, device)
-    with tuning.forced(tuning.TileConfig(16, 64, 12, 3, False), warp_specialized=True):
-        got = anymla.flash_mla_sparse_fwd(**args, backend=backend)
-    compare_outputs("sparse_prefill", got, anymla.flash_mla_sparse_fwd(**args, backend="reference"),
-                    amplified=case.get("amplify", False), scale=tol_scale)
-
-
 WARP_SPECIALIZED_DECODE = [dict(fmt=F.V32_FP8, h_q=h, s_k=s_k, topk=k, page=page, b=4, s_q=s_q, sink=extras,
                                 topk_length=extras)
                            for h in (128, 64, 40) for (s_k, k, page) in ((512, 64, 2), (1024, 576, 61),

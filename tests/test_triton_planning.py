@@ -191,21 +191,6 @@ def test_hopper_sparse_programs_take_16_32_or_64_heads():
             launch.program_shape(op, 8)
 
 
-def test_the_few_head_prefill_form_takes_three_stages_only_where_they_fit():
-    """Three key stages (a third gathering warpgroup) fit shared memory at 16 heads of d_qk 512 only; any other
-    few-head shape with them is refused by name before anything compiles."""
-    from anymla.triton_kernels import tuning
-    from anymla.triton_kernels.hopper.launch import SparsePrefillLaunch
-    kv512, kv576 = torch.empty(8, 1, 512, dtype=torch.bfloat16), torch.empty(8, 1, 576, dtype=torch.bfloat16)
-    three = tuning.TileConfig(16, 64, 12, 3, False)
-    assert SparsePrefillLaunch(three, torch.empty(2, 16, 512, dtype=torch.bfloat16), kv512, False, False).hb == 1
-    for tile, q, kv in ((three, torch.empty(2, 16, 576, dtype=torch.bfloat16), kv576),
-                        (tuning.TileConfig(32, 64, 12, 3, False), torch.empty(2, 32, 512, dtype=torch.bfloat16), kv512),
-                        (tuning.TileConfig(16, 64, 12, 4, False), torch.empty(2, 16, 512, dtype=torch.bfloat16), kv512)):
-        with pytest.raises(ValueError, match="2 stages, or 3 at 16 heads of d_qk 512"):
-            SparsePrefillLaunch(tile, q, kv, False, False)
-
-
 class _Compiled:
     """Stands for a compiled Triton kernel: records what its C launcher is handed."""
 

@@ -207,7 +207,6 @@ def hopper_reports() -> list:
     from triton.runtime.jit import mangle_type
     from .hopper import kernels
     from .hopper.launch import _shared_layout
-    from .hopper.few_heads import THREE_STAGE_LAUNCH_REGS
     from .hopper.partitions import REGS
     from .tuning import warp_specialized_config
     tile = warp_specialized_config()
@@ -246,12 +245,10 @@ def hopper_reports() -> list:
              for label, d, fmt, x_fmt, has_x in (("v32", 576, 1, 1, False), ("v41+fp4", 512, 3, 4, True),
                                                  ("model1+x", 512, 2, 2, True))
              for heads in (16, 32)]
-    jobs += [(f"hopper few-head prefill d{d} h{heads}" + (f" s{stages}" if stages != 2 else ""),
-              kernels.sparse_prefill_hopper_kernel, {**ints, **bf16},
-              dict(D_QK=d, HAS_LEN=True, HAS_SINK=True, BLOCK_N=tile.block_n, NUM_STAGES=stages, HEADS=heads,
+    jobs += [(f"hopper few-head prefill d{d} h{heads}", kernels.sparse_prefill_hopper_kernel, {**ints, **bf16},
+              dict(D_QK=d, HAS_LEN=True, HAS_SINK=True, BLOCK_N=tile.block_n, NUM_STAGES=2, HEADS=heads,
                    K_LAYOUT=_shared_layout([tile.block_n, 512], rows.dtype),
-                   R_LAYOUT=_shared_layout([tile.block_n, 64], rows.dtype)))
-             for d, heads, stages in ((576, 16, 2), (512, 32, 2), (512, 16, 3))]
+                   R_LAYOUT=_shared_layout([tile.block_n, 64], rows.dtype))) for d, heads in ((576, 16), (512, 32))]
     # Spills allowed: a few bytes, except in the V4.1 + FP4 decoding kernel, whose FP4 loop spills ~0.6-0.8 KB
     # and still beat the portable kernel on the H200 (sparse_mla/NOTES.md run 27), and in the MODEL1 kernel
     # with a MODEL1 extra cache (212 bytes on Triton 3.7.1, 196 on 3.6, almost all outside the loops; in the
@@ -260,9 +257,7 @@ def hopper_reports() -> list:
     # The few-head kernel's FP4 workers hold a whole block's fp32 values at once (1.0-1.5 KB spilled).
     budgets = {"hopper decode v41+fp4": 1024, "hopper decode model1+x": 256, "hopper few-head v41+fp4 h16": 1536,
                "hopper few-head v41+fp4 h32": 2048, "hopper few-head model1+x h32": 256}
-    # four warpgroups (the three-stage prefill) share the register file at 128 a thread, three at REGS
-    return [(label, report(kernel, ptrs, consts, 4, ARCHS["90"], GluonASTSource,
-                           maxnreg=THREE_STAGE_LAUNCH_REGS.value if label.endswith(" s3") else REGS.value),
+    return [(label, report(kernel, ptrs, consts, 4, ARCHS["90"], GluonASTSource, maxnreg=REGS.value),
              budgets.get(label, 64)) for label, kernel, ptrs, consts in jobs]
 
 

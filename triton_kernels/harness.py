@@ -64,9 +64,6 @@ SWEEP.update({name: _FEW_HEADS for name in ("v32-decode-h16", "v32-decode-h8", "
 _FEW_HEAD_DECODE = [Config(), Config(splits=2)] + [Config(TileConfig(h, 64, 12, 2, False), sp, warp_specialized=True)
                                                    for h in (16, 32, 64) for sp in (None, 2)]
 _FEW_HEAD_PREFILL = [Config()] + [Config(TileConfig(h, 64, 12, 2, False), warp_specialized=True) for h in (16, 32)]
-# V4 prefill at TP 4 / 8 (16 / 8 heads of d_qk 512): the few-head form with two or three key stages
-_THREE_STAGES = [Config(), Config(TileConfig(16, 64, 12, 3, False), warp_specialized=True)]
-SWEEP.update({"v4-prefill-h16": _THREE_STAGES, "v4-prefill-h8": _THREE_STAGES})
 # 64 and 128 heads as programs of 32 (or 16), whose two workers dequantize (the few-head form)
 _FEW_HEAD_PROGRAMS = [Config(TileConfig(h, 64, 12, 2, False), warp_specialized=True) for h in (32, 16)]
 SWEEP.update({name: _FEW_HEAD_DECODE for name in ("tp-sdecode-v32-b128-h16", "tp-sdecode-v32-b128-h8",

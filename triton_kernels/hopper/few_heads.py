@@ -48,9 +48,8 @@ OUT_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))
 def _attend(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, src, i0, m_run, m_use, l_acc, acc, scale_log2,
             D_QK: gl.constexpr):
     """The default warpgroup over one source's key blocks ``[j0, j1)``, the program's blocks ``i0, i0 + 1, ...``
-    (stage ``i % stages``). Returns the softmax state and Oᵀ."""
+    (stage ``i % 2``). Returns the softmax state and Oᵀ."""
     kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j0, j1 = src
-    STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HEADS: gl.constexpr = q_smem.shape[0]
     s_layout: gl.constexpr = warpgroup_mma_layout(HEADS)
@@ -58,9 +57,9 @@ def _attend(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, src, i0, m_r
     slots = block_indices(idx_row_ptr, j0, end, n_rows, BLOCK_N, pos_l)
     for j in range(j0, j1):
         i = i0 + j - j0
-        stage = i % STAGES
+        stage = i % 2
         next_slots = block_indices(idx_row_ptr, j + 1, end, n_rows, BLOCK_N, pos_l)
-        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        mbarrier.wait(ready.index(stage), (i // 2) & 1)
         s = gl.zeros([BLOCK_N, HEADS], gl.float32, s_layout)
         s = warpgroup_mma(k_smem.index(stage), q_smem.permute((1, 0)), s, use_acc=False, is_async=True)
         if D_QK == 576:
@@ -152,20 +151,19 @@ def _gather_rows(dst, kv_ptr, rows, ok, col0: gl.constexpr, LAYOUT: gl.constexpr
 
 @gluon.jit
 def _gather_fill(k_smem, kr_smem, ready, empty, src, W: gl.constexpr):
-    """Worker ``W``'s blocks of bf16 rows (sparse prefill: ``kv_ptr + index * stride_row``), one stage a worker:
-    its stage refilled by 16-byte copies the moment it is free, the rope tail too where the stages have one."""
+    """Worker ``W``'s blocks of bf16 rows (sparse prefill: ``kv_ptr + index * stride_row``): each stage refilled
+    by 16-byte copies the moment it is free, the rope tail too where the stages have one."""
     kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j0, j1 = src
-    STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     WITH_ROPE: gl.constexpr = kr_smem.shape[2] == 64
     slots_l: gl.constexpr = gl.SliceLayout(1, WIDE_ROWS_LAYOUT)
     slots = block_indices(idx_row_ptr, j0 + W, end, n_rows, BLOCK_N, slots_l)
-    for j in range(j0 + W, j1, STAGES):
+    for j in range(j0 + W, j1, 2):
         i = j - j0
-        next_slots = block_indices(idx_row_ptr, j + STAGES, end, n_rows, BLOCK_N, slots_l)
+        next_slots = block_indices(idx_row_ptr, j + 2, end, n_rows, BLOCK_N, slots_l)
         rows = gl.maximum(slots, 0).to(gl.int64) * stride_row
         ok = slots >= 0
-        mbarrier.wait(empty.index(W), ((i // STAGES) & 1) ^ 1)
+        mbarrier.wait(empty.index(W), ((i // 2) & 1) ^ 1)
         for c in gl.static_range(2):
             _gather_rows(k_smem.index(W).slice(c * 256, 256, dim=1), kv_ptr, rows, ok, c * 256, WIDE_ROWS_LAYOUT)
         if WITH_ROPE:
@@ -201,34 +199,22 @@ def fill_odd(k_smem, kr_smem, ready, empty, main, extra, FMT: gl.constexpr, X_FM
 
 
 @gluon.jit
-def gather_third(k_smem, kr_smem, ready, empty, rows):
-    """Sparse prefill's third gathering warpgroup (three stages): stage 2's blocks."""
-    _gather_fill(k_smem, kr_smem, ready, empty, rows, 2)
-
-
-# Sparse prefill with three stages (d_qk 512, 16 heads: 212 KB of shared memory): four warpgroups share the register
-# file (65536 / 512: 128 a thread at launch); each gathering one holds only its rows' addresses (none spilled at 96).
-THREE_STAGE_LAUNCH_REGS = gl.constexpr(128)
-THREE_STAGE_GATHER_REGS = gl.constexpr(96)
-
-
-@gluon.jit
 def allocate_few_heads(dtype: gl.constexpr, HEADS: gl.constexpr, BLOCK_N: gl.constexpr, D_QK: gl.constexpr,
-                       k_layout: gl.constexpr, r_layout: gl.constexpr, STAGES: gl.constexpr = 2):
-    """Shared memory and barriers of one program: queries, STAGES key stages, Pᵀ, and each stage's full / free
+                       k_layout: gl.constexpr, r_layout: gl.constexpr):
+    """Shared memory and barriers of one program: queries, two key stages, Pᵀ, and each stage's full / free
     barriers (one arrival each: a worker fills a stage, the default warpgroup frees it)."""
     q_smem = gl.allocate_shared_memory(dtype, [HEADS, 512], gl.NVMMASharedLayout.get_default_for([HEADS, 512], dtype))
     qr_smem = gl.allocate_shared_memory(dtype, [HEADS, 64], gl.NVMMASharedLayout.get_default_for([HEADS, 64], dtype))
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, 512], k_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, 512], k_layout)
     if D_QK == 576:
-        kr_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, 64], r_layout)
+        kr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, 64], r_layout)
     else:
         kr_smem = k_smem
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEADS],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEADS], dtype))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(2):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
     return q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty

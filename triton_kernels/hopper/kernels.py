@@ -11,8 +11,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from .dequant import OUTPUT_REGS, dequant_softmax_partition
-from .few_heads import (THREE_STAGE_GATHER_REGS, allocate_few_heads, attend_partition, fill_even, fill_odd,
-                        gather_third, worker_regs)
+from .few_heads import allocate_few_heads, attend_partition, fill_even, fill_odd, worker_regs
 from .partitions import (BLOCK_H, FILL_BY_SOFTMAX, FILL_GATHER, FILL_PAGES, REGS, VECTOR_LAYOUT, allocate,
                          load_queries, output_hi, output_lo, softmax_partition)
 
@@ -74,8 +73,8 @@ def sparse_prefill_hopper_kernel(
         NUM_STAGES: gl.constexpr, K_LAYOUT: gl.constexpr, R_LAYOUT: gl.constexpr, HEADS: gl.constexpr):
     """Program ``token * head_blocks + head_block``: HEADS heads of one token (one kv head) over the token's
     ``topk`` gathered rows; blocks past ``topk_length`` are never visited. 64 heads: NUM_STAGES key stages
-    that the output warpgroups refill; 16 or 32: the few-head form of ``few_heads.py`` (NUM_STAGES stages, 2, or
-    3 at 16 heads of 512, each refilled by a gathering warpgroup of its own)."""
+    that the output warpgroups refill; 16 or 32: the few-head form of ``few_heads.py`` (two stages, each
+    refilled by a gathering warpgroup of its own)."""
     pid = gl.program_id(0)
     t = pid // hb_per_token
     r0 = (pid % hb_per_token) * HEADS
@@ -101,24 +100,15 @@ def sparse_prefill_hopper_kernel(
         ], [4, 4], [REGS, REGS])
     else:
         q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty = allocate_few_heads(
-            q_ptr.dtype.element_ty, HEADS, BLOCK_N, D_QK, K_LAYOUT, R_LAYOUT, NUM_STAGES)
+            q_ptr.dtype.element_ty, HEADS, BLOCK_N, D_QK, K_LAYOUT, R_LAYOUT)
         load_queries(q_ptr, q_at, heads < h_q, q_smem, qr_smem, D_QK)
         rows = (kv_ptr, 0, skv_r, 1, s_kv, idx_row_ptr, length, 0, gl.cdiv(length, BLOCK_N))
-        if NUM_STAGES == 2:
-            gl.warp_specialize([
-                (attend_partition, (q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, rows, rows, scale_log2,
-                                    out_args, D_QK, False, False, HAS_SINK, True)),
-                (fill_even, (k_smem, kr_smem, ready, empty, rows, rows, 0, 0, False)),
-                (fill_odd, (k_smem, kr_smem, ready, empty, rows, rows, 0, 0, False)),
-            ], [4, 4], [worker_regs(HEADS), worker_regs(HEADS)])
-        else:
-            gl.warp_specialize([
-                (attend_partition, (q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, rows, rows, scale_log2,
-                                    out_args, D_QK, False, False, HAS_SINK, True)),
-                (fill_even, (k_smem, kr_smem, ready, empty, rows, rows, 0, 0, False)),
-                (fill_odd, (k_smem, kr_smem, ready, empty, rows, rows, 0, 0, False)),
-                (gather_third, (k_smem, kr_smem, ready, empty, rows)),
-            ], [4, 4, 4], [THREE_STAGE_GATHER_REGS, THREE_STAGE_GATHER_REGS, THREE_STAGE_GATHER_REGS])
+        gl.warp_specialize([
+            (attend_partition, (q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, rows, rows, scale_log2,
+                                out_args, D_QK, False, False, HAS_SINK, True)),
+            (fill_even, (k_smem, kr_smem, ready, empty, rows, rows, 0, 0, False)),
+            (fill_odd, (k_smem, kr_smem, ready, empty, rows, rows, 0, 0, False)),
+        ], [4, 4], [worker_regs(HEADS), worker_regs(HEADS)])
 
 
 @gluon.jit

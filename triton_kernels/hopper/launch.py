@@ -173,21 +173,14 @@ class SparsePrefillLaunch:
     ``program_shape``)."""
 
     def __init__(self, tile: TileConfig, q: torch.Tensor, kv: torch.Tensor, has_len: bool, has_sink: bool):
-        from .few_heads import THREE_STAGE_LAUNCH_REGS
         from .kernels import REGS, sparse_prefill_hopper_kernel
         s_q, h_q, d = q.shape
-        few = tile.block_h < 64
-        if few and tile.num_stages not in (2, 3) or few and tile.num_stages == 3 and (tile.block_h, d) != (16, 512):
-            raise ValueError(f"the few-head prefill form takes 2 stages, or 3 at 16 heads of d_qk 512 (shared "
-                             f"memory); got {tile.num_stages} at {tile.block_h} heads, d_qk {d}")
         self.hb = triton.cdiv(h_q, tile.block_h)
         self.grid = (s_q * self.hb, 1, 1)
         self.constexprs = [d, has_len, has_sink, tile.block_n, tile.num_stages,
                            _shared_layout([tile.block_n, 512], kv.dtype), _shared_layout([tile.block_n, 64], kv.dtype),
                            tile.block_h]
-        # three stages: a third gathering warpgroup, four warpgroups in the register file
-        regs = THREE_STAGE_LAUNCH_REGS if few and tile.num_stages == 3 else REGS
-        self.launcher = Launcher(sparse_prefill_hopper_kernel, num_warps=4, maxnreg=regs.value)
+        self.launcher = Launcher(sparse_prefill_hopper_kernel, num_warps=4, maxnreg=REGS.value)
 
     def __call__(self, q, kv, indices, topk_length, sink, sm_scale: float, out, lse, max_logits) -> None:
         scale = sm_scale * math.log2(math.e)
