@@ -365,3 +365,19 @@ def test_the_stand_in_matmul_ceiling_computes_the_product(monkeypatch):
     monkeypatch.setattr(torch, "mm", lambda x, y: real_mm(x, y) + 100.0)
     with pytest.raises(RuntimeError, match="wrong product"):
         triton_matmul.best_tflops(a, b, c, lambda fn: 1.0)
+
+
+def test_overhead_skips_launches_however_a_launcher_calls_them(monkeypatch):
+    """``bench.overhead``'s launch-free timing replaces the launcher's compiled launch for the call it times and
+    puts it back; the stand-in takes every way the launcher calls it (a bound call passes ``owned=``)."""
+    from anymla.bench import overhead
+    from anymla.triton_kernels.launcher import Launcher
+    real = Launcher._launch_compiled
+    seen = []
+    monkeypatch.setattr(overhead, "_eager", lambda fn, device: (fn(), 0.0))
+
+    def call():
+        seen.append((Launcher._launch_compiled(None, (1, 1, 1), [], owned=True),
+                     Launcher._launch_compiled(None, (1, 1, 1), [])))
+    overhead._without_launches(call, torch.device("cpu"))
+    assert seen == [(True, True)] and Launcher._launch_compiled is real
