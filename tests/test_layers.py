@@ -1,6 +1,7 @@
 """anymla.layers against the model code it replaces: Hugging Face transformers' DeepseekV3Attention and
 DeepseekV32Attention (eager), loaded into MLAAttention with from_hf, for prefill and token-by-token decoding
-over bf16 and V3.2 FP8 paged caches; the RoPE tables and layouts against the model's own functions."""
+over bf16 and V3.2 FP8 paged caches (and V4's over its formats), the layer on the CPU and, where there is one,
+on a CUDA GPU; the RoPE tables and layouts against the model's own functions."""
 
 import math
 import subprocess
