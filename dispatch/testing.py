@@ -224,23 +224,28 @@ def sparse_decode_inputs(b: int, s_q: int, h_q: int, s_k: int, topk: int, *, fmt
                          page: int = 64, varlen: bool = True, zero_len_frac: float = 0.0, all_invalid: bool = False,
                          shuffle_invalid: bool = False, sink: bool = False, topk_length: bool = False,
                          extra: Optional[dict] = None, block_pad: int = 0, poison: bool = True,
-                         device="cpu", seed: int = 0) -> dict:
+                         magnitude: float = 1.0, spread_log2: float = 0.0, device="cpu", seed: int = 0) -> dict:
     """Arguments of sparse ``flash_mla_with_kvcache`` as FlashMLA's tests draw them.
 
     ``extra`` = ``dict(fmt=, page=, s_k=, topk=, topk_length=bool)`` adds the extra cache. ``block_pad``
     extra tokens of stride between blocks make the cache non-packed. Every cache row that no counted
     index reads is NaN (poisoned before quantization, so data and scale bytes are NaN patterns).
+    ``magnitude``: the cache rows are multiplied by it, each also by ``2^u`` (u uniform in ``±spread_log2``),
+    and q divided by it: out then scales by about ``magnitude`` (a test of a kernel's number range).
     """
     g = _generator(seed, device)
     d_qk = fmt.spec.d_qk
     lens = _seqlens(b, s_k, s_q, varlen, zero_len_frac, g, device)
-    q = torch.randn(b, s_q, h_q, d_qk, generator=g, device=device).clamp(-1, 1).to(torch.bfloat16)
+    q = (torch.randn(b, s_q, h_q, d_qk, generator=g, device=device).clamp(-1, 1) / magnitude).to(torch.bfloat16)
 
     def one_cache(fmt_, page_, lens_, topk_, with_len):
         table, n_blocks = _paged(b, lens_, page_, g, device, pad_to=4 * page_)
         idx = _decode_indices(b, s_q, topk_, lens_, table, page_, all_invalid, shuffle_invalid, g, device)
         length = torch.randint(0, topk_ + 1, (b,), generator=g, device=device).to(torch.int32) if with_len else None
         rows = (0.1 * torch.randn(n_blocks, page_ + block_pad, 1, d_qk, generator=g, device=device)).clamp(-1, 1)
+        if magnitude != 1.0 or spread_log2:
+            u = torch.rand(n_blocks, page_ + block_pad, 1, 1, generator=g, device=device) * 2 - 1
+            rows = rows * (magnitude * torch.exp2(spread_log2 * u))
         if poison:
             counted = idx >= 0
             if length is not None:
