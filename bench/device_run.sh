@@ -35,7 +35,7 @@ for part in "${parts[@]}"; do
     flashmla)
       export PYTHONPATH="$PYTHONPATH:$fm"
       if ls "$fm"/flash_mla/cuda*.so > /dev/null 2>&1; then echo "flashmla: reusing $(ls "$fm"/flash_mla/cuda*.so)"
-      else bash .peers/build_flashmla.sh "$fm" > "$OUT/flashmla.log" 2>&1 & FLASHMLA_PID=$!; fi ;;
+      else bash .peers/build_flashmla.sh "$fm" > "$OUT/flashmla.log" 2>&1 & FLASHMLA_PID=$! FLASHMLA_BUILT=1; fi ;;
     hf)
       python3 -m pip install -q --no-index --find-links .wheels transformers 2>&1 | tail -3
       python3 -c "import transformers; print('transformers', transformers.__version__)" ;;
@@ -74,8 +74,11 @@ for part in "${parts[@]}"; do
   esac
 done
 flashmla_wait
+# A build made here goes back in pieces (to be cat'ed into .peers/FlashMLA/flash_mla/); a reused one stays.
 so=$(ls "$fm"/flash_mla/cuda*.so 2>/dev/null | head -1)
-if [[ -n $so && ! -e $OUT/flashmla_so.part00 ]]; then basename "$so" > "$OUT/flashmla_so_name"; split -b 15M -d "$so" "$OUT/flashmla_so.part"; fi
-# At most 8 files come back from the machine: everything but the FlashMLA build goes back as one archive.
-(cd "$OUT" && tar czf results.tgz --exclude='flashmla_so*' --exclude=results.tgz . \
+if [[ -n ${FLASHMLA_BUILT:-} && -n $so ]]; then basename "$so" > "$OUT/flashmla_so_name"; split -b 15M -d "$so" "$OUT/flashmla_so.part"; fi
+# At most 8 files come back from the machine: everything but the FlashMLA build goes back as one archive
+# (written beside $OUT first: tar must not read the file it writes).
+tgz=$(mktemp --suffix=.tgz)
+(cd "$OUT" && tar czf "$tgz" --exclude='flashmla_so*' . && mv "$tgz" results.tgz \
   && find . -mindepth 1 -maxdepth 1 ! -name results.tgz ! -name 'flashmla_so*' -exec rm -rf {} +)
