@@ -92,6 +92,7 @@ def _cells(o: CaseOutcome, r, info: RunInfo, ceilings: Ceilings) -> list[str]:
 
 
 _SOURCES = {"auto": "by the device's priority list", "tuned": "from the tuning file's measurement",
+            "measured": "measured faster for this regime on this device kind (anymla's shipped measurements)",
             "keyword": "as the call asked", "context": "inside use_backend", "env": "from ANYMLA_BACKEND"}
 
 

@@ -24,7 +24,8 @@ class Backend:
     name: ClassVar[str]
     ops: ClassVar[frozenset]
     device_types: ClassVar[tuple]
-    #: external peers (FlashMLA, torch_npu) run only when asked for by name or measured faster by ``--tune``
+    #: external peers (FlashMLA, torch_npu) run only when asked for by name, measured faster by ``--tune``, or
+    #: where :meth:`measured_faster` says anymla's own measurements found them faster
     auto_select: ClassVar[bool] = True
     #: runs wherever torch does (``device_types`` then only names the usual ones)
     any_device: ClassVar[bool] = False
@@ -46,6 +47,12 @@ class Backend:
         """What a user should know before trusting this backend's results or speed on ``device``: how far it
         has been verified there. Empty when nothing needs saying."""
         return []
+
+    def measured_faster(self, problem) -> str:
+        """An external peer only: why it is the faster choice for ``problem``'s regime on this device kind,
+        from measurements shipped with anymla (ratios, device, date), or "" where none found it faster. The
+        dispatcher then tries it before the device's priority list (it still has to support the call)."""
+        return ""
 
     def plan(self, problem):
         """What running ``problem`` needs that depends only on its signature (which kernel and why, tiles,

@@ -2,7 +2,9 @@
 
 Precedence: the ``backend=`` keyword, then :func:`use_backend` (a context manager, contextvar-based), then
 the ``ANYMLA_BACKEND`` environment variable, then a tuned choice (``ANYMLA_TUNING`` file written by
-``python -m anymla.bench --tune``), then the automatic priority order of the device. An explicit choice
+``python -m anymla.bench --tune``), then an installed peer that anymla's shipped measurements found faster for
+the call's regime on this device kind (``Backend.measured_faster``), then the automatic priority order of the
+device. An explicit choice
 that cannot run raises :class:`BackendNotSupported` with every reason; an automatic one falls back to the
 next backend. Decisions are cached per call signature (shapes, dtypes, devices, strides, flags), together
 with the chosen backend's launch plan for it (its kernel, tile, splits, grid and compiled-kernel handles), so
@@ -53,7 +55,7 @@ class Decision:
 
     op: str
     backend: str
-    source: str  # "keyword", "context", "env", "tuned" or "auto"
+    source: str  # "keyword", "context", "env", "tuned", "measured" or "auto"
     device: str
     shape: str
     rejected: tuple = ()  # ((backend name, (reason, ...)), ...)
@@ -62,6 +64,7 @@ class Decision:
     kernel: str = ""  # which of the backend's kernels runs, and why (from the plan)
     plan: object = field(default=None, repr=False, compare=False)  # the backend's launch plan (None: none)
     sched_config: object = field(default=None, repr=False, compare=False)  # decode: FlashMLASchedMeta.Config
+    measured: str = ""  # source "measured": the measurement that put the chosen peer first
 
     def run(self, problem):
         """Run ``problem`` (a record of this decision's signature) on the chosen backend."""
@@ -69,6 +72,7 @@ class Decision:
 
     def __str__(self) -> str:
         lines = [f"{self.op} on {self.device}: {self.backend} (chosen by {self.source})", f"  shape: {self.shape}"]
+        lines += [f"  measured: {self.measured}"] if self.measured else []
         lines += [f"  kernel: {self.kernel}"] if self.kernel else []
         lines += [f"  caveat: {c}" for c in self.caveats]
         lines += [f"  not {name}: {'; '.join(reasons)}" for name, reasons in self.rejected]
@@ -196,15 +200,17 @@ def _decide(problem, forced: Optional[tuple], source: str) -> Decision:
         raise BackendNotSupported(f"{problem.op}: the requested backend(s) {', '.join(forced)} (from {source}) "
                                   f"cannot run this call on {dev} ({problem.shape_key()}):\n{detail}")
     tuned = _tuned(problem)
-    order = ((tuned,) if tuned in registered_backends() else ()) + _priority(problem.device)
+    measured = {n: why for n in registered_backends() if (why := get_backend(n).measured_faster(problem))}
+    order = ((tuned,) if tuned in registered_backends() else ()) + tuple(measured) + _priority(problem.device)
     chosen = None
     for name in order:
         b = get_backend(name)
         if name in reasons:
             continue
         r = b.not_supported_reasons(problem)
-        if not r and not b.auto_select and name != tuned:
-            r = ["an external peer: used only when asked for by name or measured faster (--tune)"]
+        if not r and not b.auto_select and name != tuned and name not in measured:
+            r = ["an external peer: used only when asked for by name or measured faster (--tune, or anymla's "
+                 "own measurements for this regime)"]
         if not r and chosen is None:
             chosen = name
         elif not r:
@@ -213,16 +219,17 @@ def _decide(problem, forced: Optional[tuple], source: str) -> Decision:
     if chosen is None:
         detail = "\n".join(f"  - {n}: {'; '.join(r)}" for n, r in reasons.items())
         raise BackendNotSupported(f"{problem.op}: no backend can run this call on {dev} ({problem.shape_key()}):\n{detail}")
-    return _decision(problem, chosen, "tuned" if chosen == tuned else "auto", reasons)
+    source = "tuned" if chosen == tuned else "measured" if chosen in measured else "auto"
+    return _decision(problem, chosen, source, reasons, measured.get(chosen, "") if source == "measured" else "")
 
 
-def _decision(problem, chosen: str, source: str, reasons: dict) -> Decision:
+def _decision(problem, chosen: str, source: str, reasons: dict, measured: str = "") -> Decision:
     rejected = tuple((n, tuple(r)) for n, r in reasons.items() if n != chosen)
     impl = get_backend(chosen)
     plan = impl.plan(problem)
     return Decision(problem.op, chosen, source, str(problem.device), problem.shape_key(), rejected, impl,
                     tuple(impl.caveats(problem.device)), getattr(plan, "description", ""), plan,
-                    problem.sched_config() if hasattr(problem, "sched_config") else None)
+                    problem.sched_config() if hasattr(problem, "sched_config") else None, measured)
 
 
 def select(problem, backend: BackendChoice = None) -> Decision:

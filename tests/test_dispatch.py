@@ -514,3 +514,51 @@ def test_load_tuning_clears_the_decision_cache(probes, tmp_path):
     selection.load_tuning(tuning_file(tmp_path, before, "probe_a"))
     after = explain_prefill(a)
     assert after is not before and after.backend == "probe_a"
+
+
+def test_a_peer_measured_faster_is_chosen_and_explain_says_why(fresh_dispatch, monkeypatch):
+    peer = Probe("measured_peer")
+    peer.auto_select = False
+    peer.measured_faster = lambda problem: "measured faster for the test's regime"
+    anymla.register_backend(peer)
+    try:
+        d = explain_prefill(prefill_args())
+        assert (d.backend, d.source, d.measured) == ("measured_peer", "measured", "measured faster for the test's regime")
+        assert "measured: measured faster for the test's regime" in str(d)
+        compare_outputs("sparse_prefill", anymla.flash_mla_sparse_fwd(**prefill_args()),
+                        anymla.flash_mla_sparse_fwd(**prefill_args(), backend="reference"))
+        assert peer.calls == 1
+        # A measured peer that cannot run the call is passed over, with its reasons.
+        peer.reasons = ["not this shape"]
+        selection.clear_decision_cache()
+        d = explain_prefill(prefill_args())
+        assert d.backend == "reference" and d.source == "auto" and dict(d.rejected)["measured_peer"] == ("not this shape",)
+        # An explicit choice still wins over the measurement.
+        peer.reasons = []
+        assert explain_prefill(prefill_args(), backend="reference").backend == "reference"
+    finally:
+        anymla.unregister_backend("measured_peer")
+
+
+def test_flashmla_peer_measured_regimes(monkeypatch):
+    """The regimes where FlashMLA v1.0.0 beat the Triton tier on the H200: sparse prefill above 16 heads, sparse
+    decoding above 32 heads of V3.2 / MODEL1 caches; nothing on other GPUs, formats or ops."""
+    from types import SimpleNamespace
+    from anymla.backends import flashmla_peer
+    from anymla.kvcache import KVCacheFormat as F
+    peer = anymla.get_backend("flashmla")
+    monkeypatch.setattr(flashmla_peer, "_arch", lambda device: 9)
+    cuda = torch.device("cuda")
+
+    def faster(op, q_shape, fmt=None, device=cuda):
+        return bool(peer.measured_faster(SimpleNamespace(op=op, device=device, fmt=fmt,
+                                                         q=torch.empty(q_shape, device="meta"))))
+    assert not faster("sparse_prefill", (64, 16, 576)) and faster("sparse_prefill", (64, 17, 576))
+    assert faster("sparse_prefill", (64, 128, 512))
+    assert not faster("sparse_decode", (128, 1, 32, 576), F.V32_FP8)
+    assert faster("sparse_decode", (128, 1, 64, 576), F.V32_FP8) and faster("sparse_decode", (128, 2, 128, 512), F.MODEL1_FP8)
+    assert not faster("sparse_decode", (128, 1, 64, 512), F.V41_FP8)
+    assert not faster("dense_decode", (128, 1, 128, 576))
+    assert not faster("sparse_prefill", (64, 128, 576), device=torch.device("cpu"))
+    monkeypatch.setattr(flashmla_peer, "_arch", lambda device: 10)
+    assert not faster("sparse_prefill", (64, 128, 576))

@@ -1,16 +1,19 @@
 """FlashMLA's own CUDA kernels (the ``flash_mla`` module) as an external peer backend.
 
-A peer is never chosen automatically (``auto_select = False``): it runs when asked for by name
-(``backend="flashmla"``) or when ``python -m anymla.bench --tune`` measured it fastest for a shape. It lets
-the benchmark time FlashMLA behind the very inputs and correctness gate of anymla's own tiers.
+A peer is not in any device's priority list (``auto_select = False``): it runs when asked for by name
+(``backend="flashmla"``), when ``python -m anymla.bench --tune`` measured it fastest for a shape, or, when
+installed, in the regimes where anymla's own measurements found it faster than the Triton tier
+(``_FASTER_ON_SM90``, ``measured_faster``). It lets the benchmark time FlashMLA behind the very inputs and
+correctness gate of anymla's own tiers.
 
 Sparse calls with a head count FlashMLA does not take (tensor parallelism: 8, 16, 32 heads) are run the way
 serving engines run them: q (and attn_sink) padded with zero heads to 64 (or 128), the outputs sliced back;
 the padding is part of the timed call, and ``explain()`` says so.
 
 The shape limits below are FlashMLA v1.0.0's (``csrc/api/*.h`` and its kernels' asserts; see the project's
-FlashMLA contract notes) plus the 2026-09-30 release's V4.1 formats. Unverified: no ``flash_mla`` build was
-available where this adapter was written, so its calls follow FlashMLA's documented interface only.
+FlashMLA contract notes) plus the 2026-09-30 release's V4.1 formats. Run on an H200 with v1.0.0 built for
+sm_90a (the benchmark gates its outputs against the reference); the 2026-09-30 release's calls follow its
+documented interface only (no SM100 GPU here).
 """
 
 from __future__ import annotations
@@ -81,6 +84,21 @@ def _arch(device: torch.device) -> int:
     return major
 
 
+# Regimes where FlashMLA v1.0.0 on sm_90 was measured faster than anymla's Triton tier (H200, torch 2.11, Triton
+# 3.6, GPU time, both in the same run, heads padded to 64 for FlashMLA as serving engines do; bench/results/h200/
+# run54_final, run59_fp16_keys): where this says nothing, the Triton tier was the faster (sparse prefill at 16
+# heads or fewer: 1720 vs 2101 µs at h16 d576; sparse decoding at 32 heads or fewer: V3.2 b128 h8 / h16 / h32
+# 94.8 / 94.9 / 118 vs 127 / 127 / 127 µs; MODEL1 h16 108 vs 165) or was not compared (dense decoding: mixed).
+_FASTER_ON_SM90 = {
+    "sparse_prefill": (16, "FlashMLA v1.0.0 measured faster on sm_90 above 16 heads a token (H200, 2026-12-01, "
+                           "same run: h32 d512 1989 vs 2108 µs, h32 d576 2125 vs 2251, h64 d512 1941 vs 2544, h128 "
+                           "d576 4068 vs 5704)"),
+    "sparse_decode": (32, "FlashMLA v1.0.0 measured faster on sm_90 above 32 heads a token of a V32_FP8 or "
+                          "MODEL1_FP8 cache (H200, 2026-12-01, same run: MODEL1 h64 with an extra cache 94.0 vs "
+                          "134 µs, h128 208 vs 382; V3.2 b64 h64 80.0 vs 93.1, b128 s_q 2 h128 369 vs 503)"),
+}
+
+
 class FlashMLAPeer(Backend):
     name = "flashmla"
     ops = frozenset(OPS)
@@ -102,6 +120,15 @@ class FlashMLAPeer(Backend):
         if _is_v41(module) and major != 10:
             return ["this flash_mla is the 2026-09-30 release, which runs on SM100 only"]
         return []
+
+    def measured_faster(self, problem) -> str:
+        regime = _FASTER_ON_SM90.get(problem.op)
+        if regime is None or problem.device.type != "cuda" or _arch(problem.device) != 9:
+            return ""
+        most_heads, why = regime
+        if problem.op == "sparse_prefill":
+            return why if problem.q.shape[1] > most_heads else ""
+        return why if problem.q.shape[2] > most_heads and problem.fmt in _V1_FORMATS else ""
 
     def shape_reasons(self, problem) -> list[str]:
         module, _ = _flash_mla()
