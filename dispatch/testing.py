@@ -224,14 +224,14 @@ def sparse_decode_inputs(b: int, s_q: int, h_q: int, s_k: int, topk: int, *, fmt
                          page: int = 64, varlen: bool = True, zero_len_frac: float = 0.0, all_invalid: bool = False,
                          shuffle_invalid: bool = False, sink: bool = False, topk_length: bool = False,
                          extra: Optional[dict] = None, block_pad: int = 0, poison: bool = True,
-                         magnitude: float = 1.0, spread_log2: float = 0.0, device="cpu", seed: int = 0) -> dict:
+                         magnitude: float = 1.0, device="cpu", seed: int = 0) -> dict:
     """Arguments of sparse ``flash_mla_with_kvcache`` as FlashMLA's tests draw them.
 
     ``extra`` = ``dict(fmt=, page=, s_k=, topk=, topk_length=bool)`` adds the extra cache. ``block_pad``
     extra tokens of stride between blocks make the cache non-packed. Every cache row that no counted
     index reads is NaN (poisoned before quantization, so data and scale bytes are NaN patterns).
-    ``magnitude``: the cache rows are multiplied by it, each also by ``2^u`` (u uniform in ``±spread_log2``),
-    and q divided by it: out then scales by about ``magnitude`` (a test of a kernel's number range).
+    ``magnitude`` (a power of two): the cache rows are multiplied by it and q divided by it, which leaves the
+    logits as they are and scales out by exactly ``magnitude`` (a test of a kernel's number range).
     """
     g = _generator(seed, device)
     d_qk = fmt.spec.d_qk
@@ -243,9 +243,7 @@ def sparse_decode_inputs(b: int, s_q: int, h_q: int, s_k: int, topk: int, *, fmt
         idx = _decode_indices(b, s_q, topk_, lens_, table, page_, all_invalid, shuffle_invalid, g, device)
         length = torch.randint(0, topk_ + 1, (b,), generator=g, device=device).to(torch.int32) if with_len else None
         rows = (0.1 * torch.randn(n_blocks, page_ + block_pad, 1, d_qk, generator=g, device=device)).clamp(-1, 1)
-        if magnitude != 1.0 or spread_log2:
-            u = torch.rand(n_blocks, page_ + block_pad, 1, 1, generator=g, device=device) * 2 - 1
-            rows = rows * (magnitude * torch.exp2(spread_log2 * u))
+        rows = rows * magnitude
         if poison:
             counted = idx >= 0
             if length is not None:
