@@ -191,13 +191,20 @@ def _max_nan(a, b):
 
 
 @triton.jit
-def fp4_scales(amax, NATIVE_FP8: tl.constexpr):
+def fp4_scales(amax, NATIVE_FP8: tl.constexpr, WIDE: tl.constexpr):
     """(e4m3 code, value) of the FP4 tile scales ``e4m3(clamp(amax / 6, 2^-9, 448))``; a NaN ``amax`` gets
-    torch's NaN code 0x7F and a NaN value (every code of its tile 0, as torch's ``x / NaN``)."""
+    torch's NaN code 0x7F and a NaN value (every code of its tile 0, as torch's ``x / NaN``). A 16-bit amax
+    (bf16 / fp16 rows, not WIDE) multiplies by fp32(1 / 6) instead of dividing: the same codes for every such
+    amax (checked on all of them; among all fp32 values only 15 with 24 significant bits, a / 6 just below an
+    e4m3 midpoint, round differently, so fp32 rows keep the correctly rounded division)."""
     nan = amax != amax
-    s = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)), 0.001953125)
-    code = tl.where(nan, 0x7F, e4m3_encode(s, NATIVE_FP8).to(tl.int32)).to(tl.uint8)  # saturated at 448
-    return code, tl.where(nan, amax, e4m3_decode(code, NATIVE_FP8))
+    if WIDE:
+        q = tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
+    else:
+        q = amax * 0.16666667163372039795
+    code = e4m3_encode(tl.maximum(q, 0.001953125), NATIVE_FP8)  # saturated at 448
+    value = tl.where(nan, amax, e4m3_decode(code, NATIVE_FP8))
+    return tl.where(nan, 0x7F, code.to(tl.int32)).to(tl.uint8), value
 
 
 @triton.jit
@@ -210,20 +217,163 @@ def float32_of(x):
         return x.to(tl.float32)
 
 
+# The FP4 encoder of bf16 / fp16 rows works on pairs of 16-bit values in uint32 lanes. Its few PTX instructions
+# (prmt, max.NaN.{bf16,f16}x2: sm_80+) are taken where NATIVE_FP8 holds (NVIDIA sm_89+, not the interpreter);
+# elsewhere the same lanes are computed with shifts, masks and multiplies, so CPU CI tests the encoder itself.
+
+
 @triton.jit
-def store_fp4_tiles(cache_ptr, row_at, scale_at, x, mask, NATIVE_FP8: tl.constexpr):
-    """V4.1 FP4 of ``x [2, BT, 32, 8]`` (the rows' dtype): ``x[h, r, t, j]`` is element 16 t + 8 h + j of row
-    r, 32 tiles of 16. Each tile's e4m3 scale is ``e4m3(clamp(amax / 6, 2^-9, 448))`` (at ``scale_at + t``);
+def _sign_bytes(a, b, NATIVE_FP8: tl.constexpr):
+    """uint32 whose bytes 0..3 are 0xFF where bit 15 of ``a``, bit 15 of ``b``, bit 31 of ``a``, bit 31 of ``b``
+    is set, else 0 (``_sign_bytes(d, d)``: 0xFFFF in each 16-bit lane whose top bit is set): one ``prmt`` with
+    sign replication."""
+    if NATIVE_FP8:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0xFBD9;", "=r,r,r", [a, b], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
+    else:
+        return ((a >> 15) & 0x10001) * 0xFF | ((b >> 15) & 0x10001) * 0xFF00
+
+
+@triton.jit
+def _pair_lanes(lo, hi, NATIVE_FP8: tl.constexpr):
+    """uint32 holding the 16-bit floats ``lo`` (low half) and ``hi`` (high half), element by element: one ``prmt``
+    a pair from the loaded registers (the shifts and masks take two)."""
+    if NATIVE_FP8:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 0x7632;",
+                                         "=r,=r,r,r", [lo, hi], dtype=tl.uint32, is_pure=True, pack=2)
+    else:
+        return lo.to(tl.uint16, bitcast=True).to(tl.uint32) | (hi.to(tl.uint16, bitcast=True).to(tl.uint32) << 16)
+
+
+@triton.jit
+def _max16x2(a, b, IS_BF16: tl.constexpr):
+    """Lane-wise NaN-propagating max of two pairs of non-negative 16-bit floats (uint32 lanes)."""
+    if IS_BF16:
+        return tl.inline_asm_elementwise("max.NaN.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise("max.NaN.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _max16x2_bf16(a, b):
+    return _max16x2(a, b, True)
+
+
+@triton.jit
+def _max16x2_f16(a, b):
+    return _max16x2(a, b, False)
+
+
+@triton.jit
+def _lanes(t, IS_BF16: tl.constexpr):
+    """The 16-bit pattern of fp32 ``t`` (a bf16 / fp16 value) as uint32."""
+    if IS_BF16:
+        return t.to(tl.uint32, bitcast=True) >> 16
+    else:
+        return t.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+
+
+@triton.jit
+def _e2m1_lanes(q, c4, lo0, hi0, lo1, hi1, lo2, hi2, NATIVE_FP8: tl.constexpr):
+    """The e2m1 code bits of the two 16-bit floats of ``q`` (uint32): their magnitudes are compared with the
+    thresholds of :func:`e2m1_code` as integers (non-negative floats, inf and NaN too, order as their bits),
+    two at a time: with every threshold lane ``c = T + 0x8000`` and ``|q| <= 0x7FFF``, ``c - |q|`` borrows
+    nothing across the lanes and sets a lane's top bit where ``|q| <= T``. Returns the lane mask of codes >= 4
+    (code bit 2) and, in bits 15 and 31: not code bit 1, not code bit 0, the sign bit (code bit 3)."""
+    a = q & 0x7FFF7FFF
+    low = _sign_bytes(c4 - a, c4 - a, NATIVE_FP8)  # |q| < 1.75 s
+    # the code: 4 (above 1.75 s) + the number of the lower or upper half's three midpoints below |q|
+    high = low ^ 0xFFFFFFFF  # (~ on uint32 overflows in the interpreter)
+    d0 = ((low & lo0) | (high & hi0)) - a
+    d1 = ((low & lo1) | (high & hi1)) - a
+    d2 = ((low & lo2) | (high & hi2)) - a
+    # those three answers are monotone: bit 1 is the middle one, bit 0 their parity; the sign bit where the
+    # code is not 0 (above 0.25 s, or high)
+    return high, d1, d0 ^ d1 ^ d2, q & ((d0 & low) ^ 0xFFFFFFFF)
+
+
+@triton.jit
+def _e2m1_nibbles(qa, qb, c4, lo0, hi0, lo1, hi1, lo2, hi2, SHIFT: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """The e2m1 codes of ``qa`` (elements e, e + 4 of a half tile: bytes 0, 2) and ``qb`` (e + 2, e + 6: bytes 1,
+    3) as the nibbles at bit SHIFT of a word: each ``_sign_bytes`` spreads one code bit of the four into its byte,
+    a masked merge puts it in place."""
+    ua, d1a, pa, na = _e2m1_lanes(qa, c4, lo0, hi0, lo1, hi1, lo2, hi2, NATIVE_FP8)
+    ub, d1b, pb, nb = _e2m1_lanes(qb, c4, lo0, hi0, lo1, hi1, lo2, hi2, NATIVE_FP8)
+    w = (ua & (0x00040004 << SHIFT)) | (ub & (0x04000400 << SHIFT))
+    w = w | ((_sign_bytes(d1a, d1b, NATIVE_FP8) ^ 0xFFFFFFFF) & (0x02020202 << SHIFT))
+    w = w | ((_sign_bytes(pa, pb, NATIVE_FP8) ^ 0xFFFFFFFF) & (0x01010101 << SHIFT))
+    return w | (_sign_bytes(na, nb, NATIVE_FP8) & (0x08080808 << SHIFT))
+
+
+@triton.jit
+def store_fp4_tiles(cache_ptr, row_at, scale_at, src, live, mask, NATIVE_FP8: tl.constexpr):
+    """V4.1 FP4 of the rows at ``src [BT]`` (pointers; rows of ``live`` tokens load, of ``mask`` ones store):
+    32 tiles of 16, each with the e4m3 scale ``e4m3(clamp(amax / 6, 2^-9, 448))`` (at ``scale_at + t``);
     element 2i goes to the low nibble of byte i (at ``row_at + i``), 2i + 1 to its high nibble."""
-    BT: tl.constexpr = x.shape[1]
-    x = float32_of(x)
-    # NaN-propagating as torch's amax (a plain tl.max drops NaN on NVIDIA GPUs, keeps it in the interpreter)
-    s_code, s = fp4_scales(tl.reduce(tl.reduce(tl.abs(x), 3, _max_nan), 0, _max_nan), NATIVE_FP8)
-    lo, hi = tl.split(tl.reshape(e2m1_code(x, s[None, :, :, None]), (2, BT, 32, 4, 2)))
+    BT: tl.constexpr = src.shape[0]
     tiles = tl.arange(0, 32)
+    # [2, BT, 32, k]: element 16 t + 8 h + j of row r at [h, r, t, j], the two 16-byte halves of each tile
+    # first, tokens next: Triton 3.7 then gives each lane one tile (its amax in registers) and the two warps
+    # their own tokens, with no layout conversion before the code stores (3.6 spreads a tile over two lanes)
+    col = tl.arange(0, 2)[:, None, None] * 8 + tiles[None, :, None] * 16
+    at = src[None, :, None, None] + col[:, None, :, :]
+    ld = live[None, :, None, None]
+    if src.dtype.element_ty == tl.float32:
+        x = tl.load(at + tl.arange(0, 8)[None, None, None, :], mask=ld, other=0.0)
+        # NaN-propagating as torch's amax (a plain tl.max drops NaN on NVIDIA GPUs, keeps it in the interpreter)
+        s_code, s = fp4_scales(tl.reduce(tl.reduce(tl.abs(x), 3, _max_nan), 0, _max_nan), NATIVE_FP8, True)
+        lo, hi = tl.split(tl.reshape(e2m1_code(x, s[None, :, :, None]), (2, BT, 32, 4, 2)))
+        # 2^23 + k has the bits 0x4B000000 + k (k < 2^23): the byte without a float-to-int conversion
+        packed = (lo + 16.0 * hi + 8388608.0).to(tl.int32, bitcast=True).to(tl.uint8)
+    else:
+        IS_BF16: tl.constexpr = src.dtype.element_ty == tl.bfloat16
+        j = tl.arange(0, 4)[None, None, None, :]
+        x_lo = tl.load(at + j, mask=ld, other=0.0)
+        x_hi = tl.load(at + 4 + j, mask=ld, other=0.0)
+        # q_i = (element i, element i + 4) of each half tile: its two codes land 2 bytes apart in the half
+        # tile's word. (Split loads: splitting one [.., 8] load into the four q held 8 copies of each a thread
+        # on sm_80 when the row stride is not 16-divisible, as compile_check builds it, and spilled.)
+        q = _pair_lanes(x_lo, x_hi, NATIVE_FP8)
+        qe, qo = tl.split(tl.reshape(q, (2, BT, 32, 2, 2)))
+        q0, q2 = tl.split(qe)
+        q1, q3 = tl.split(qo)
+        if NATIVE_FP8:
+            m = _max16x2(_max16x2(q0 & 0x7FFF7FFF, q1 & 0x7FFF7FFF, IS_BF16),
+                         _max16x2(q2 & 0x7FFF7FFF, q3 & 0x7FFF7FFF, IS_BF16), IS_BF16)
+            m = tl.reduce(m, 0, _max16x2_bf16 if IS_BF16 else _max16x2_f16)
+            m = _max16x2(m, (m >> 16) | (m << 16), IS_BF16) & 0xFFFF
+            if IS_BF16:
+                amax = (m << 16).to(tl.float32, bitcast=True)
+            else:
+                amax = m.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            amax = tl.reduce(tl.maximum(tl.reduce(tl.abs(float32_of(x_lo)), 3, _max_nan),
+                                        tl.reduce(tl.abs(float32_of(x_hi)), 3, _max_nan),
+                                        propagate_nan=tl.PropagateNan.ALL), 0, _max_nan)
+        s_code, s = fp4_scales(amax, NATIVE_FP8, False)
+        # thresholds: the midpoints m * s, exact in the rows' dtype (<= 7 significant bits, 2^-11 .. 2240), as
+        # lanes T + 0x8000 of their bits T, one less where a tie rounds up (>= t is > t - 1 on the bits);
+        # doubling is one exponent step E
+        E: tl.constexpr = 0x80 if IS_BF16 else 0x400
+        t1 = _lanes(s, IS_BF16)
+        t075 = _lanes(0.75 * s, IS_BF16)
+        t125 = _lanes(1.25 * s, IS_BF16)
+        t175 = _lanes(1.75 * s, IS_BF16)
+        c4 = ((t175 + 0x7FFF) * 0x10001)[None, :, :]
+        lo0 = ((t1 - 2 * E + 0x8000) * 0x10001)[None, :, :]
+        hi0 = ((t125 + E + 0x8000) * 0x10001)[None, :, :]
+        lo1 = ((t075 + 0x7FFF) * 0x10001)[None, :, :]
+        hi1 = ((t175 + E + 0x7FFF) * 0x10001)[None, :, :]
+        lo2 = ((t125 + 0x8000) * 0x10001)[None, :, :]
+        hi2 = ((t125 + 2 * E + 0x8000) * 0x10001)[None, :, :]
+        w = (_e2m1_nibbles(q0, q2, c4, lo0, hi0, lo1, hi1, lo2, hi2, 0, NATIVE_FP8)
+             | _e2m1_nibbles(q1, q3, c4, lo0, hi0, lo1, hi1, lo2, hi2, 4, NATIVE_FP8))
+        w = w & tl.where(s != s, 0, 0xFFFFFFFF).to(tl.uint32)[None, :, :]  # a NaN tile: codes 0
+        packed = tl.reshape(tl.join(tl.join(w & 0xFF, (w >> 16) & 0xFF), tl.join((w >> 8) & 0xFF, w >> 24)),
+                            (2, BT, 32, 4)).to(tl.uint8)
     byte = tl.arange(0, 2)[:, None, None] * 4 + tiles[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
-    # 2^23 + k has the bits 0x4B000000 + k (k < 2^23): the byte without a float-to-int conversion
-    packed = (lo + 16.0 * hi + 8388608.0).to(tl.int32, bitcast=True).to(tl.uint8)
     tl.store(cache_ptr + row_at[None, :, None, None] + byte[:, None, :, :], packed,
              mask=tl.broadcast_to(mask[None, :, None, None], packed.shape))
     tl.store(cache_ptr + scale_at[:, None] + tiles[None, :], s_code, mask=mask[:, None])
@@ -287,14 +437,9 @@ def cache_write_kernel(src_ptr, src_stride, slots_ptr, cache_ptr, n_tokens, capa
                 x = round_to(x.to(tl.float32), ty)
             tl.store(cache_ptr + row_at[:, None] + 512 + r[None, :], x, mask=m2)
     elif FMT == FMT_V41_FP4:
-        # Halves first, tokens next: Triton 3.7 then gives each lane one tile (both 16-byte halves, the amax
-        # in registers) and the two warps their own tokens, with no layout conversion before the code stores
-        # (3.6 spreads a tile over two lanes; NOTES.md). Every live token's row loads, so the slot math stays
-        # out of the load's layout; rows of invalid slots are not stored.
-        col = (tl.arange(0, 2)[:, None, None] * 8 + tl.arange(0, 32)[None, :, None] * 16
-               + tl.arange(0, 8)[None, None, :])
-        x = tl.load(src[None, :, None, None] + col[:, None, :, :], mask=live[None, :, None, None], other=0.0)
-        store_fp4_tiles(cache_ptr, row_at, scale_at, x, valid, NATIVE_FP8)
+        # Every live token's row loads, so the slot math stays out of the load's layout; rows of invalid slots
+        # are not stored.
+        store_fp4_tiles(cache_ptr, row_at, scale_at, src, live, valid, NATIVE_FP8)
     else:
         # (tiles, tile width, bf16 tail at byte) of the FP8 formats: V32 4 x 128 + rope at 528, MODEL1
         # 7 x 64 (padded to 8) + rope at 448, V41 16 x 32 (everything quantized)
