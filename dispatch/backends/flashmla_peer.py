@@ -86,9 +86,11 @@ def _arch(device: torch.device) -> int:
 
 # Regimes where FlashMLA v1.0.0 on sm_90 was measured faster than anymla's Triton tier (H200, torch 2.11, Triton
 # 3.6, GPU time, both in the same run, heads padded to 64 for FlashMLA as serving engines do; bench/results/h200/
-# run54_final, run59_fp16_keys): where this says nothing, the Triton tier was the faster (sparse prefill at 16
-# heads or fewer: 1720 vs 2101 µs at h16 d576; sparse decoding at 32 heads or fewer: V3.2 b128 h8 / h16 / h32
-# 94.8 / 94.9 / 118 vs 127 / 127 / 127 µs; MODEL1 h16 108 vs 165) or was not compared (dense decoding: mixed).
+# run54_final, run59_fp16_keys, and run62_bench, where the dispatcher then picked the faster in every sparse
+# case): where this says nothing, the Triton tier was the faster (sparse prefill at 16 heads or fewer: 1728 vs
+# 2124 µs at h16 d576; sparse decoding at 32 heads or fewer: V3.2 b128 h8 / h16 / h32 94.9 / 95.2 / 116 vs
+# 128 / 127 / 127 µs; MODEL1 h16 108 vs 165), or no rule is drawn: dense decoding, FlashMLA faster at b128 s_q 2
+# h128 (900 vs 1123 µs), the Triton tier at b128 h16 (303 vs 315) and b1 h128 (39.6 vs 43.5).
 _FASTER_ON_SM90 = {
     "sparse_prefill": (16, "FlashMLA v1.0.0 measured faster on sm_90 above 16 heads a token (H200, 2026-12-01, "
                            "same run: h32 d512 1989 vs 2108 µs, h32 d576 2125 vs 2251, h64 d512 1941 vs 2544, h128 "
