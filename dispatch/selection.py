@@ -4,9 +4,8 @@ Precedence: the ``backend=`` keyword, then :func:`use_backend` (a context manage
 the ``ANYMLA_BACKEND`` environment variable, then a tuned choice (``ANYMLA_TUNING`` file written by
 ``python -m anymla.bench --tune``), then an installed peer that anymla's shipped measurements found faster for
 the call's regime on this device kind (``Backend.measured_faster``), then the automatic priority order of the
-device. An explicit choice
-that cannot run raises :class:`BackendNotSupported` with every reason; an automatic one falls back to the
-next backend. Decisions are cached per call signature (shapes, dtypes, devices, strides, flags), together
+device. An explicit choice that cannot run raises :class:`BackendNotSupported` with every reason; an automatic
+one falls back to the next backend. Decisions are cached per call signature (shapes, dtypes, devices, strides, flags), together
 with the chosen backend's launch plan for it (its kernel, tile, splits, grid and compiled-kernel handles), so
 a repeated call costs one dictionary lookup plus building the signature before its launch. A decision is
 keyed also by everything else it depends on: the overrides in force, the tuning file, the registry's
