@@ -10,6 +10,7 @@ from .triton import TritonBackend
 register_backend(ReferenceBackend())
 register_backend(TritonBackend())
 register_backend(AscendCBackend())
-# External peers: never chosen automatically (see Backend.auto_select).
+# External peers: in no priority list; chosen by name, by a tuning file or where measured faster
+# (Backend.auto_select, Backend.measured_faster).
 register_backend(FlashMLAPeer())
 register_backend(TorchNpuPeer())

@@ -10,8 +10,8 @@ Mapping. The op takes the 576-dim latent row as a 512-dim key (also the value) p
 Both ops run as one call in the TND layout: the query tokens are one sequence, the keys another, with no
 mask (sparse_mode 0). Decoding views the paged cache as a flat ``[slots, 1, 576]`` key sequence, so
 anymla's slot indices (``block * page_size + offset``) are key positions as they stand. Invalid indices
-become -1, the op's padding value. Like any peer it runs only when asked for by name or when
-``--tune`` measured it fastest.
+become -1, the op's padding value. Like any peer it runs when asked for by name, when ``--tune`` measured
+it fastest, or where anymla's measurements found it faster (none yet: it has not run on an NPU).
 """
 
 from __future__ import annotations
