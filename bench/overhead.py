@@ -120,9 +120,10 @@ def _anymla_call(op: str, a: dict):
     return lambda: anymla.flash_mla_with_kvcache(**a, tile_scheduler_metadata=meta)
 
 
-def _eager(fn, device) -> tuple[float, float]:
+def _eager(fn, device) -> tuple[float, float, float]:
     """(host µs to enqueue one call, median of 50 with the device drained before each; wall µs per call of
-    200 back-to-back calls)."""
+    200 back-to-back calls; host µs per call of enqueuing those 200, the device kept busy as in a model's
+    forward pass, the best of 3 such streams)."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize(device)
@@ -132,12 +133,16 @@ def _eager(fn, device) -> tuple[float, float]:
         t0 = time.perf_counter()
         fn()
         host.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize(device)
-    return sorted(host)[len(host) // 2], (time.perf_counter() - t0) * 1e6 / 200
+    stream, wall = [], []
+    for _ in range(3):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(200):
+            fn()
+        stream.append((time.perf_counter() - t0) * 1e6 / 200)
+        torch.cuda.synchronize(device)
+        wall.append((time.perf_counter() - t0) * 1e6 / 200)
+    return sorted(host)[len(host) // 2], min(wall), min(stream)
 
 
 def _profile(name: str, fn) -> None:
@@ -153,16 +158,41 @@ def _profile(name: str, fn) -> None:
     pstats.Stats(profile).sort_stats("tottime").print_stats(14)
 
 
-def _without_launches(fn, device) -> float:
+def _without_launches(fn, device) -> tuple[float, float]:
     """Host µs of ``fn`` with every Triton launch skipped (the calls are planned and compiled already): what
-    the Python path and torch's allocations and views cost without the launches themselves."""
+    the Python path and torch's allocations and views cost without the launches themselves (after a drain,
+    in a stream: as :func:`_eager`)."""
     from anymla.triton_kernels.launcher import Launcher
     launch = Launcher._launch_compiled
     Launcher._launch_compiled = lambda self, grid, args, **options: True
     try:
-        return _eager(fn, device)[0]
+        drained, _, stream = _eager(fn, device)
+        return drained, stream
     finally:
         Launcher._launch_compiled = launch
+
+
+def _launches_alone(fn, device) -> tuple[float, float]:
+    """Host µs of the launches of one call of ``fn`` replayed with the call's own arguments (the launcher's
+    Python, Triton's C launcher and the driver), without the rest of the call (after a drain, in a stream)."""
+    from anymla.triton_kernels.launcher import Launcher
+    launch, seen = Launcher._launch_compiled, []
+
+    def record(self, grid, args, owned=False):
+        seen.append((self, grid, list(args)))
+        return launch(self, grid, args, owned)
+    Launcher._launch_compiled = record
+    try:
+        out = fn()
+    finally:
+        Launcher._launch_compiled = launch
+
+    def replay():
+        for launcher_, grid, args in seen:
+            launcher_._launch_compiled(grid, args)
+    drained, _, stream = _eager(replay, device)
+    del out
+    return drained, stream
 
 
 def _step_targets():
@@ -240,6 +270,12 @@ def primitives(device) -> list[dict]:
         us = sorted(samples)[len(samples) // 2] / 1e3
         rows.append(dict(part="primitive", case=name, who="torch", host_us=us))
         print(f"primitive  {name:36s} {us:6.2f} µs", flush=True)
+    # One kernel as torch launches it, timed as the calls are (after a drain, in a stream): the yardstick of
+    # what the host's state alone adds to a launch after the device was drained.
+    drained, _, stream = _eager(lambda: torch.zeros_like(t), device)
+    rows.append(dict(part="primitive", case="torch.zeros_like as the calls are timed", who="torch",
+                     host_us=drained, host_stream_us=stream))
+    print(f"primitive  {'torch.zeros_like, drained / stream':36s} {drained:6.2f} / {stream:.2f} µs", flush=True)
     return rows
 
 
@@ -260,14 +296,18 @@ def host(device, profile: bool = False, steps: bool = False) -> list[dict]:
         if have_flash_mla:
             calls["flashmla"] = _flash_mla_call(op, a)
         for who, fn in calls.items():
-            host_us, eager_us = _eager(fn, device)
-            row = dict(part="host", case=name, who=who, host_us=host_us, eager_us=eager_us)
+            host_us, eager_us, stream_us = _eager(fn, device)
+            row = dict(part="host", case=name, who=who, host_us=host_us, eager_us=eager_us, host_stream_us=stream_us)
+            text = ""
             if who == "anymla":
-                row["host_without_launches_us"] = _without_launches(fn, device)
+                row["host_without_launches_us"], row["host_stream_without_launches_us"] = _without_launches(fn, device)
+                row["launches_alone_us"], row["launches_alone_stream_us"] = _launches_alone(fn, device)
+                text = (f"   without the launches {row['host_without_launches_us']:.1f} / "
+                        f"{row['host_stream_without_launches_us']:.1f}   the launches alone "
+                        f"{row['launches_alone_us']:.1f} / {row['launches_alone_stream_us']:.1f}")
             rows.append(row)
-            print(f"host  {name:32s} {who:9s} host {host_us:7.1f} µs/call   eager {eager_us:8.1f} µs/call"
-                  + (f"   without the launches {row['host_without_launches_us']:.1f}" if who == "anymla" else ""),
-                  flush=True)
+            print(f"host  {name:32s} {who:9s} host {host_us:7.1f} µs/call (in a stream {stream_us:6.1f})   "
+                  f"eager {eager_us:8.1f} µs/call" + text, flush=True)
             if profile and who == "anymla":
                 _profile(name, fn)
             if steps and who == "anymla":
@@ -356,6 +396,7 @@ def main() -> None:
     ap.add_argument("--csv", help="write every row to this CSV file")
     ap.add_argument("--profile", action="store_true", help="print where anymla's host time goes (cProfile)")
     ap.add_argument("--steps", action="store_true", help="time each step of anymla's call path (inclusive µs)")
+    ap.add_argument("--no-cold", action="store_true", help="leave out the cold-start measurement")
     args = ap.parse_args()
     r = dispatch()
     print(f"dispatch: one call through the dispatcher without a kernel, torch {torch.__version__}: "
@@ -364,7 +405,8 @@ def main() -> None:
             dict(part="dispatch", case="dense decode (meta)", who="anymla", host_us=r["dense_decode_us"])]
     if torch.cuda.is_available():
         device = torch.device("cuda")
-        rows += cold(device)  # first: a new process whose kernels are not compiled yet
+        if not args.no_cold:
+            rows += cold(device)  # first: a new process whose kernels are not compiled yet
         rows += primitives(device) + host(device, args.profile, args.steps)
     if args.csv:
         fields = sorted({k for row in rows for k in row}, key=lambda k: (k not in ("part", "case", "who"), k))

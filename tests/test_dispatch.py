@@ -565,3 +565,36 @@ def test_flashmla_peer_measured_regimes(monkeypatch):
     assert not faster("sparse_prefill", (64, 128, 576), device=torch.device("cpu"))
     monkeypatch.setattr(flashmla_peer, "_arch", lambda device: 10)
     assert not faster("sparse_prefill", (64, 128, 576))
+
+
+@pytest.mark.parametrize("h_q", [16, 64])
+def test_flashmla_peer_pads_heads_and_slices_them_back(monkeypatch, h_q):
+    """The peer runs FlashMLA at 64 heads (q and attn_sink padded with zero heads) and hands back the first h_q
+    heads of each output, with lse as anymla's backends return it ([b, s_q, h_q]); at 64 heads it hands FlashMLA's
+    outputs back as they came (CPU, a stand-in for flash_mla that records what it was given)."""
+    from anymla.backends import flashmla_peer
+    from anymla.kvcache import KVCacheFormat as F
+    from anymla.problems import decode_problem
+    seen = {}
+
+    def with_kvcache(q, k_cache, block_table, cache_seqlens, d_v, meta, num_splits, **kw):
+        b, s_q, h, _ = q.shape
+        seen.update(q=q, sink=kw["attn_sink"])
+        out = torch.randn(b, s_q, h, d_v, dtype=q.dtype)
+        lse = torch.randn(b, s_q, h).transpose(1, 2)  # FlashMLA's layout: a [b, h, s_q] view
+        seen.update(out=out, lse=lse)
+        return out, lse
+    fake = SimpleNamespace(flash_mla_with_kvcache=with_kvcache, get_mla_metadata=lambda: (object(), None))
+    monkeypatch.setattr(flashmla_peer, "_flash_mla", lambda: (fake, ""))
+    a = sparse_decode_inputs(2, 1, h_q, 256, 64, fmt=F.V32_FP8, device=torch.device("cpu"))
+    a["attn_sink"] = torch.randn(h_q)
+    p = decode_problem(a["q"], a["k_cache"], None, None, 512, None, False, True, a["indices"], a["attn_sink"],
+                       None, None, None, None, False, None, None)
+    out, lse = anymla.get_backend("flashmla").run(p)
+    assert seen["q"].shape[2] == 64 and seen["sink"].shape == (64,)
+    assert torch.equal(seen["q"][:, :, :h_q], a["q"]) and torch.equal(seen["sink"][:h_q], a["attn_sink"])
+    assert not seen["q"][:, :, h_q:].any() and not seen["sink"][h_q:].any()
+    assert out.shape == (2, 1, h_q, 512) and lse.shape == (2, 1, h_q)
+    assert torch.equal(out, seen["out"][:, :, :h_q]) and torch.equal(lse, seen["lse"].transpose(1, 2)[:, :, :h_q])
+    if h_q == 64:
+        assert out is seen["out"] and lse.data_ptr() == seen["lse"].data_ptr()
