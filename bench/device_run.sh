@@ -12,7 +12,7 @@
 #   sweep     the harness's tile sweep ($SWEEP_SUITE, default tp; $SWEEP_CASES: case names, default all;
 #             $SWEEP_ARGS: more options, e.g. --portable, with DISABLE_MMA_V3=1 for the mma.sync stand-in)
 #   bench     python -m anymla.bench ($BENCH_ARGS, default --suite canonical --suite tp), FlashMLA included
-#   layer     python -m anymla.bench.layer
+#   layer     python -m anymla.bench.layer ($LAYER_ARGS, e.g. --writers-only --writer-tiles 4x1,8x2)
 #   ncu       Nsight Compute on one kernel launch of each of $NCU_CASES (cases of $NCU_SUITE, default tp; kernels
 #             matching $NCU_KERNEL; $NCU_ARGS passed on to bench.profile_case, e.g. --portable)
 # Makes `anymla` importable without pip (the folders map onto the package as in pyproject.toml) and leaves logs
@@ -69,7 +69,8 @@ for part in "${parts[@]}"; do
           "$OUT/ncu_$c${NCU_ARGS:+_portable}.txt" | head -40
       done ;;
     layer)
-      python3 -m anymla.bench.layer --out "$OUT/layer" 2>&1 | tee "$OUT/layer.log" | tail -40 ;;
+      # shellcheck disable=SC2086
+      python3 -m anymla.bench.layer --out "$OUT/layer" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/layer.log" | tail -40 ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done

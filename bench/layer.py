@@ -200,7 +200,10 @@ def bench_layer(case: LayerCase, timer: Timer, device) -> list[dict]:
     return rows
 
 
-def bench_writer(fmt: KVCacheFormat, tokens: int, timer: Timer, device, copy_gbps: float) -> list[dict]:
+def bench_writer(fmt: KVCacheFormat, tokens: int, timer: Timer, device, copy_gbps: float,
+                 tiles: tuple = ()) -> list[dict]:
+    """The writer at ``tokens`` tokens (shipped tile), the torch reference, and on GPUs the shipped tile's
+    neighbours ``tiles`` (default ``WRITER_TILES``)."""
     g = torch.Generator(device=device).manual_seed(1)
     d, page = (576 if fmt in (KVCacheFormat.BF16, KVCacheFormat.V32_FP8) else 512), 64
     nb = tokens // page
@@ -224,9 +227,9 @@ def bench_writer(fmt: KVCacheFormat, tokens: int, timer: Timer, device, copy_gbp
     rows = []
     variants = [("write_cache", lambda: write_cache(ours, latent, slots)),
                 ("torch reference", lambda: write_cache_reference(ref, latent, slots))]
-    if device.type == "cuda":  # the shipped tile (launch.GPU_WRITER_TILE) against its neighbours
+    if device.type == "cuda":  # the shipped tile (launch.writer_tile) against its neighbours
         from anymla.triton_kernels.cache_write import launch
-        for tile in WRITER_TILES:
+        for tile in tiles or WRITER_TILES:
             variants.append((f"tile {tile[0]} tokens x {tile[1]} warps",
                              lambda tile=tile: launch.write_rows(ours, fmt, latent, slots, tile)))
     for component, fn in variants:
@@ -294,8 +297,8 @@ def host_glue(device, steps: int = 100, rounds: int = 15) -> list[dict]:
     return rows
 
 
-# Writer tiles (tokens per program, warps) timed next to the shipped one (4, 2) on GPUs.
-WRITER_TILES = ((2, 2), (4, 4), (8, 4), (8, 8))
+# Writer tiles (tokens per program, warps) timed next to the shipped one (cache_write.launch.writer_tile) on GPUs.
+WRITER_TILES = ((2, 1), (4, 2), (2, 2), (4, 4), (8, 4))
 
 COLUMNS = ["group", "case", "component", "eager_us", "graph_us", "host_us", "vs_parts_eager", "vs_parts_graph",
            "eager_torch_speedup_eager", "eager_torch_speedup_graph", "gbps", "vs_copy", "note"]
@@ -324,7 +327,13 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per call (default 50, --small 2)")
     ap.add_argument("--writer-tokens", type=int, default=None, help="tokens per writer call (default 65536)")
     ap.add_argument("--host", action="store_true", help="only the layer's own host work per decode step")
+    ap.add_argument("--writers-only", action="store_true", help="only the cache writer rows (no layer steps)")
+    ap.add_argument("--writer-formats", default="", help="comma-separated formats for the writer rows (default all)")
+    ap.add_argument("--writer-tiles", default="", help="the writer tiles timed beside the shipped one, "
+                    "TOKENSxWARPS,... (default " + ",".join(f"{t}x{w}" for t, w in WRITER_TILES) + ")")
     args = ap.parse_args(argv)
+    tiles = tuple(tuple(int(v) for v in t.split("x")) for t in args.writer_tiles.split(",") if t)
+    formats = [KVCacheFormat[f] for f in args.writer_formats.split(",") if f] or list(KVCacheFormat)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.host:
         return host_glue(device)
@@ -334,11 +343,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     print(f"{info.device_name}, torch {info.torch}, triton {info.triton}; {ceilings.describe()}")
     print(explain_write_cache(device))
     rows = []
-    for case in layer_cases(args.small):
+    for case in () if args.writers_only else layer_cases(args.small):
         rows += bench_layer(case, timer, device)
     tokens = args.writer_tokens or (256 if args.small else 65536)
-    for fmt in KVCacheFormat:
-        rows += bench_writer(fmt, tokens, timer, device, ceilings.copy_gbps)
+    for fmt in formats:
+        rows += bench_writer(fmt, tokens, timer, device, ceilings.copy_gbps, tiles)
     print_table(rows)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "layer.csv")

@@ -97,6 +97,8 @@ def _host_cases(device):
          lambda: sparse_decode_inputs(4, 1, 64, 4096, 512, fmt=F.V32_FP8, device=device)),
         ("prefill s_q 256 h128 topk 512", "prefill",
          lambda: prefill_inputs(256, 128, 576, 8192, 512, device=device)),
+        ("prefill s_q 4096 h128 topk 2048", "prefill",  # the canonical suite's: large outputs
+         lambda: prefill_inputs(4096, 128, 576, 32768, 2048, device=device)),
     ]
 
 
@@ -113,11 +115,11 @@ def _flash_mla_call(op: str, a: dict):
                                                     is_fp8_kvcache=True, indices=a["indices"])
 
 
-def _anymla_call(op: str, a: dict):
+def _anymla_call(op: str, a: dict, backend=None):
     if op == "prefill":
-        return lambda: anymla.flash_mla_sparse_fwd(**a)
+        return lambda: anymla.flash_mla_sparse_fwd(**a, backend=backend)
     meta = anymla.get_mla_metadata()[0]
-    return lambda: anymla.flash_mla_with_kvcache(**a, tile_scheduler_metadata=meta)
+    return lambda: anymla.flash_mla_with_kvcache(**a, tile_scheduler_metadata=meta, backend=backend)
 
 
 def _eager(fn, device) -> tuple[float, float, float]:
@@ -293,24 +295,25 @@ def host(device, profile: bool = False, steps: bool = False) -> list[dict]:
         if op != "prefill":
             a.pop("tile_scheduler_metadata", None)
         calls = {"anymla": _anymla_call(op, a)}
-        if have_flash_mla:
+        if have_flash_mla:  # the dispatcher may pick FlashMLA then: the Triton tier's own path too
+            calls["anymla-triton"] = _anymla_call(op, a, "triton")
             calls["flashmla"] = _flash_mla_call(op, a)
         for who, fn in calls.items():
             host_us, eager_us, stream_us = _eager(fn, device)
             row = dict(part="host", case=name, who=who, host_us=host_us, eager_us=eager_us, host_stream_us=stream_us)
             text = ""
-            if who == "anymla":
+            if who.startswith("anymla"):
                 row["host_without_launches_us"], row["host_stream_without_launches_us"] = _without_launches(fn, device)
                 row["launches_alone_us"], row["launches_alone_stream_us"] = _launches_alone(fn, device)
                 text = (f"   without the launches {row['host_without_launches_us']:.1f} / "
                         f"{row['host_stream_without_launches_us']:.1f}   the launches alone "
                         f"{row['launches_alone_us']:.1f} / {row['launches_alone_stream_us']:.1f}")
             rows.append(row)
-            print(f"host  {name:32s} {who:9s} host {host_us:7.1f} µs/call (in a stream {stream_us:6.1f})   "
+            print(f"host  {name:32s} {who:13s} host {host_us:7.1f} µs/call (in a stream {stream_us:6.1f})   "
                   f"eager {eager_us:8.1f} µs/call" + text, flush=True)
-            if profile and who == "anymla":
+            if profile and who.startswith("anymla"):
                 _profile(name, fn)
-            if steps and who == "anymla":
+            if steps and who.startswith("anymla"):
                 for label, us in _steps(fn).items():
                     rows.append(dict(part="step", case=name, who=label, host_us=us))
                     print(f"step  {name:32s} {label:34s} {us:7.1f} µs/call", flush=True)

@@ -374,10 +374,31 @@ def test_overhead_skips_launches_however_a_launcher_calls_them(monkeypatch):
     from anymla.triton_kernels.launcher import Launcher
     real = Launcher._launch_compiled
     seen = []
-    monkeypatch.setattr(overhead, "_eager", lambda fn, device: (fn(), 0.0))
+    monkeypatch.setattr(overhead, "_eager", lambda fn, device: (fn(), 0.0, 0.0))
 
     def call():
         seen.append((Launcher._launch_compiled(None, (1, 1, 1), [], owned=True),
                      Launcher._launch_compiled(None, (1, 1, 1), [])))
     overhead._without_launches(call, torch.device("cpu"))
     assert seen == [(True, True)] and Launcher._launch_compiled is real
+
+
+def test_overhead_replays_the_launches_a_call_made(monkeypatch):
+    """``bench.overhead``'s launches-alone timing records each compiled launch of one call (launcher, grid and
+    its own copy of the arguments) and replays exactly those, with the real launch put back."""
+    from anymla.bench import overhead
+    from anymla.triton_kernels.launcher import Launcher
+    real, made = Launcher._launch_compiled, []
+    monkeypatch.setattr(Launcher, "_launch_compiled", lambda self, grid, args, owned=False: made.append(
+        (self, grid, list(args), owned)) or True)
+    monkeypatch.setattr(overhead, "_eager", lambda fn, device: (fn(), 0.0, 0.0))
+    a, b = Launcher.__new__(Launcher), Launcher.__new__(Launcher)
+
+    def call():
+        args = [1, 2.0]
+        Launcher._launch_compiled(a, (2, 1, 1), args, owned=True)
+        args[0] = "overwritten by the launch"  # an owned list is the launch's to change
+        Launcher._launch_compiled(b, (3, 1, 1), [3])
+    overhead._launches_alone(call, torch.device("cpu"))
+    assert made == [(a, (2, 1, 1), [1, 2.0], True), (b, (3, 1, 1), [3], False),
+                    (a, (2, 1, 1), [1, 2.0], False), (b, (3, 1, 1), [3], False)]

@@ -108,7 +108,9 @@ def test_hopper_kernels_state_why_they_do_not_take_a_call(monkeypatch):
     assert "h_kv 2" in launch.dense_decode_reasons(_dense_problem(h_kv=2), tile)[0]
     assert "page size 53" in launch.dense_decode_reasons(_dense_problem(page=53), tile)[0]
     assert "float32" in launch.dense_decode_reasons(_dense_problem(dtype=torch.float32), tile)[0]
-    assert "fewer than 33" in launch.dense_decode_reasons(_dense_problem(), tuning.TileConfig(16, 32, 4, 6))[0]
+    # few rows a kv head: 16 keep the portable kernel, 32 (tensor-parallel h_q 32) take the Hopper one
+    assert "at most 16 query rows" in launch.dense_decode_reasons(_dense_problem(), tuning.TileConfig(16, 32, 4, 6))[0]
+    assert launch.dense_decode_reasons(_dense_problem(), tuning.TileConfig(32, 32, 4, 6)) == []
     with tuning.forced(warp_specialized=True):
         with pytest.raises(ValueError, match="forced, but: h_kv 2"):
             launch.use(launch.dense_decode_reasons(_dense_problem(h_kv=2), tile))
@@ -169,7 +171,7 @@ def test_hopper_sparse_decode_takes_v32_v41_and_model1_caches(monkeypatch):
     # MODEL1 rows lie 576 bytes apart inside a block although the container view's row stride is 584
     assert launch.sparse_decode_reasons(_sparse_decode_problem(F.MODEL1_FP8, page=256, extra=model1), tile) == []
     assert "V41_FP4 extra" in launch.sparse_decode_reasons(_sparse_decode_problem(F.MODEL1_FP8, extra=fp4), tile)[0]
-    # Few heads (tensor parallelism): taken, the 64-row tile masks the rest (tuning.HOPPER_FEW_ROWS says why)
+    # Few heads (tensor parallelism): taken, the 64-row tile masks the rest (tuning.HOPPER_FEWEST_ROWS says why)
     assert launch.sparse_decode_reasons(_sparse_decode_problem(F.V32_FP8), tuning.TileConfig(16, 32, 4, 6)) == []
 
 

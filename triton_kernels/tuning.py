@@ -231,14 +231,16 @@ def dense_config(kind: str, rows_per_kv_head: int) -> TileConfig:
 _WARP_SPECIALIZED = TileConfig(64, 64, 12, 2, False)
 
 
-# Whether the Hopper kernels take calls with fewer than 33 query rows a kv head (tensor-parallel head counts),
-# masking the rest of their 64-row tile, and the measurement behind each answer.
-HOPPER_FEW_ROWS = {
-    "sparse_prefill": (True, "H200, 2026-12-01: h_q 16 d_qk 576 2911 µs on the Hopper kernel with heads padded to 64 "
-                             "vs 3332 portable; h_q 32 d_qk 512 2502 vs 4084"),
-    "sparse_decode": (True, "H200, 2026-12-01, b128 s_q 1 topk 2048: V3.2 h_q 16 127 µs on the Hopper kernel vs 217 "
-                            "portable, h_q 8 125 vs 212; V4.1 + 512 FP4 extra h_q 16 264 vs 283"),
-    "dense_decode": (False, "H200, 2026-11-29: the portable kernel decodes b128 h_q 16 at 0.94x copy"),
+# The fewest query rows a kv head the Hopper kernels take, as the portable tile's row block (16, 32 or 64: a
+# call of at most half of it keeps the portable kernel), masking the rest of their 64-row tile (tensor-parallel
+# head counts), and the measurement behind each.
+HOPPER_FEWEST_ROWS = {
+    "sparse_prefill": (16, "H200, 2026-12-01: h_q 16 d_qk 576 2911 µs on the Hopper kernel with heads padded to 64 "
+                           "vs 3332 portable; h_q 32 d_qk 512 2502 vs 4084"),
+    "sparse_decode": (16, "H200, 2026-12-01, b128 s_q 1 topk 2048: V3.2 h_q 16 127 µs on the Hopper kernel vs 217 "
+                          "portable, h_q 8 125 vs 212; V4.1 + 512 FP4 extra h_q 16 264 vs 283"),
+    "dense_decode": (32, "H200, 2026-12-01, GPU µs portable vs Hopper: h_q 16 b8 s_k 4096 30.6 vs 37.8, b32 s_k 8192 "
+                         "98.9 vs 107, b128 304 vs 317; h_q 32 b8 s_k 4096 47.4 vs 43.0, b128 s_k 8192 525 vs 327"),
 }
 
 

@@ -11,7 +11,7 @@ import argparse
 
 from ..compile_report import ARCHS, Arch, report
 from .kernel import cache_write_kernel, mla_prolog_kernel, q_assemble_kernel, sparse_slots_kernel
-from .launch import GPU_TILE, GPU_WRITER_TILE
+from .launch import GPU_TILE, writer_tile
 
 _BYTE = {"cache_ptr": "*u8"}
 _BF16 = {"cache_ptr": "*bf16"}
@@ -25,12 +25,12 @@ def jobs(arch: Arch = ARCHS["90"]):
     """(label, kernel, pointer types, constexprs, warps) of every shipped instantiation on ``arch`` (the layer's:
     prolog slots from the block table, the q assembly rotating q_pe only; unit strides are constants, as
     Triton's launcher specializes them)."""
-    out = []
+    out, writer = [], writer_tile(arch.kind)
     for fmt, name, d in ((0, "BF16", 576), (1, "V32_FP8", 576), (2, "MODEL1_FP8", 512), (3, "V41_FP8", 512),
                          (4, "V41_FP4", 512)):
         ptrs = {**_IN, **(_BF16 if fmt == 0 else _BYTE)}
         out.append((f"write {name}", cache_write_kernel, ptrs,
-                    dict(FMT=fmt, D=d, NATIVE_FP8=arch.native_fp8, BLOCK_T=GPU_WRITER_TILE[0]), GPU_WRITER_TILE[1]))
+                    dict(FMT=fmt, D=d, NATIVE_FP8=arch.native_fp8, BLOCK_T=writer[0]), writer[1]))
     for fmt, name in ((0, "BF16"), (1, "V32_FP8")):
         ptrs = {**_PROLOG, **(_BF16 if fmt == 0 else _BYTE)}
         out.append((f"prolog {name} q1536", mla_prolog_kernel, ptrs,

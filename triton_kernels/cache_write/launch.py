@@ -26,9 +26,13 @@ _ROPE_CODE = {"interleaved": ROPE_INTERLEAVED.value, "neox": ROPE_NEOX.value}
 # (tokens per program, warps) on GPUs. The prolog: 4 tokens and 4 warps keep it near 100 registers on sm_90
 # (8 tokens take 124-216, 16 up to 254: fewer resident blocks for a memory-bound kernel). The writer: two tokens
 # a warp, the fewest instructions per token in the offline sm_90 build and the fastest tile of the H200 sweep
-# for every quantized format (run 32), see NOTES.md.
+# for every quantized format (run 32), see NOTES.md; on sm_90 four tokens a warp, measured faster there for
+# every format but MODEL1 (even) in two sweeps (H200, runs 64-65: FP4 0.594-0.601x copy vs 0.556-0.570x, V3.2
+# 0.696 vs 0.673, V4.1 FP8 0.765 vs 0.735, BF16 0.808 vs 0.798), at 96-156 registers there without spills;
+# other GPUs keep the two-warp tile (on sm_80 one warp takes up to 233 registers, not measured).
 GPU_TILE = (4, 4)
 GPU_WRITER_TILE = (4, 2)
+WRITER_TILES = {"cuda_sm90": (4, 1)}
 
 # Launchers by kernel, warps and every argument that is not a tensor (with the tensors' dtypes and device):
 # Triton specializes on integer values (1, multiples of 16), a Launcher only on pointer alignment. Bounded:
@@ -56,11 +60,16 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _tile(writer: bool = False) -> tuple[int, int]:
+def writer_tile(kind: str) -> tuple[int, int]:
+    """The writer's (tokens per program, warps) on a GPU of ``runtime.device_kind`` ``kind``."""
+    return WRITER_TILES.get(kind, GPU_WRITER_TILE)
+
+
+def _tile(device: torch.device, writer: bool = False) -> tuple[int, int]:
     # The interpreter pays per program: fewer, larger programs there.
     if runtime.interpreting():
         return (16, 4)
-    return GPU_WRITER_TILE if writer else GPU_TILE
+    return writer_tile(runtime.device_kind(device)) if writer else GPU_TILE
 
 
 def _native_fp8(device: torch.device) -> bool:
@@ -83,7 +92,7 @@ def write_rows(cache: torch.Tensor, fmt: KVCacheFormat, latent: torch.Tensor, sl
     if n == 0:
         return
     ptr, capacity, page, sb, st = _cache_geometry(cache, fmt)
-    bt, warps = tile or _tile(writer=True)
+    bt, warps = tile or _tile(cache.device, writer=True)
     _launch(cache_write_kernel, (_cdiv(n, bt),),
             [latent, latent.stride(0), slots, ptr, n, capacity, page, sb, st,
              _FMT_CODE[fmt], latent.shape[1], _native_fp8(cache.device), bt], warps, cache.device)
@@ -104,7 +113,7 @@ def mla_prolog(kv_a: torch.Tensor, kv_weight: torch.Tensor, kv_eps: float, q_lat
     from_table = slots is None
     table_args = ([None, block_table, *block_table.stride(), n // block_table.shape[0], block_table.shape[1]]
                   if from_table else [slots, None, 0, 0, 1, 0])
-    bt, warps = _tile()
+    bt, warps = _tile(cache.device)
     _launch(mla_prolog_kernel, (_cdiv(n, bt),),
             [kv_a, kv_a.stride(0), kv_weight, kv_eps, *q_args, positions, cos, sin, cos.stride(0), *table_args,
              ptr, n, capacity, page, sb, st, _FMT_CODE[fmt], _ROPE_CODE[rope_style], q_rank,

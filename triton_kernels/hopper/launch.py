@@ -18,14 +18,14 @@ from anymla.kvcache import KVCacheFormat
 
 from .. import runtime
 from ..launcher import LatestDescriptors, Launcher
-from ..tuning import (HOPPER_FEW_ROWS, TileConfig, forced_tma, forced_warp_specialized, hopper_program_heads,
+from ..tuning import (HOPPER_FEWEST_ROWS, TileConfig, forced_tma, forced_warp_specialized, hopper_program_heads,
                       warp_specialized_config)
 
 
 def _device_reasons(device: torch.device, tile: TileConfig, op: str = "") -> list[str]:
     """Why the Hopper kernels cannot take this device or tile (empty: they can). ``op``'s entry of
-    ``tuning.HOPPER_FEW_ROWS`` says whether they take calls of fewer than 33 rows a kv head (their 64-row tile
-    then masks the rows past h_q); forcing them takes such calls whatever it says (sweeps)."""
+    ``tuning.HOPPER_FEWEST_ROWS`` says from which of the portable tile's row blocks on they take a call (their
+    64-row tile masks the rows past h_q); forcing them takes any call whatever it says (sweeps)."""
     if forced_warp_specialized() is False:
         return ["turned off (tuning.forced(warp_specialized=False), or ANYMLA_HOPPER_KERNELS=0)"]
     kind = runtime.device_kind(device)
@@ -36,9 +36,10 @@ def _device_reasons(device: torch.device, tile: TileConfig, op: str = "") -> lis
         return [f"Triton {triton.__version__}'s Gluon is not a version they were checked with (3.6, 3.7)"]
     if warp_specialized_config() is None:
         return ["a tile of the portable kernel is forced"]
-    few_rows, why = HOPPER_FEW_ROWS.get(op, (False, ""))
-    if tile.block_h != 64 and not (few_rows or forced_warp_specialized()):
-        return [f"fewer than 33 query rows a kv head: the portable kernel's small tiles are faster here ({why})"]
+    fewest, why = HOPPER_FEWEST_ROWS.get(op, (64, ""))
+    if tile.block_h < fewest and not forced_warp_specialized():
+        return [f"at most {tile.block_h} query rows a kv head: the portable kernel's small tiles are faster here "
+                f"({why})"]
     return []
 
 
