@@ -175,6 +175,7 @@ SUITES: dict[str, list[Case]] = {
         *[_sparse_decode(f"tp-sdecode-v32-b128-h{h}", 128, 1, h, "V32_FP8") for h in (8, 16, 32)],
         _sparse_decode("tp-sdecode-model1-b128-h16", 128, 1, 16, "MODEL1_FP8", **_MODEL1_EXTRA),
         _sparse_decode("tp-sdecode-v41+fp4-b128-h16", 128, 1, 16, "V41_FP8", **_V41_EXTRA),
+        _dense_decode("tp-ddecode-b128-h32-sk8192", 128, 1, 32, 8192),  # V3's dense MLA at TP 4
         _sparse_decode("model1-config1-b128-sq2-h64", 128, 2, 64, "MODEL1_FP8", topk=128, s_k=16384, page=256,
                        varlen=True, **{**_MODEL1_EXTRA, "extra_topk": 512}),
         _sparse_decode("model1-config2-b128-sq2-h128", 128, 2, 128, "MODEL1_FP8", topk=128, s_k=16384, page=256,
