@@ -28,8 +28,9 @@ _ROPE_CODE = {"interleaved": ROPE_INTERLEAVED.value, "neox": ROPE_NEOX.value}
 # a warp, the fewest instructions per token in the offline sm_90 build and the fastest tile of the H200 sweep
 # for every quantized format (run 32), see NOTES.md; on sm_90 four tokens a warp, measured faster there for
 # every format but MODEL1 (even) in two sweeps (H200, runs 64-65: FP4 0.594-0.601x copy vs 0.556-0.570x, V3.2
-# 0.696 vs 0.673, V4.1 FP8 0.765 vs 0.735, BF16 0.808 vs 0.798), at 96-156 registers there without spills;
-# other GPUs keep the two-warp tile (on sm_80 one warp takes up to 233 registers, not measured).
+# 0.696 vs 0.673, V4.1 FP8 0.765 vs 0.735, BF16 0.808 vs 0.798), at 64-105 registers there without spills;
+# other GPUs keep the two-warp tile, measured there no more than the one-warp tile (which compiles for sm_80
+# at 58-105 registers, no spills).
 GPU_TILE = (4, 4)
 GPU_WRITER_TILE = (4, 2)
 WRITER_TILES = {"cuda_sm90": (4, 1)}
