@@ -25,6 +25,8 @@ import importlib.util
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 import anymla
 from anymla.kvcache import KVCacheFormat
@@ -197,6 +199,73 @@ def _launches_alone(fn, device) -> tuple[float, float]:
     return drained, stream
 
 
+def _c_launches_alone(fn, device) -> float:
+    """Host µs in a stream of the compiled kernels' own launchers (Triton's C launcher and the driver) for the
+    launches of one call of ``fn``, each handed the final argument list the call built (addresses, encoded
+    descriptors): the launch without anymla's Python."""
+    from anymla.triton_kernels import launcher
+    encoded, seen = launcher._Direct.encoded, []
+
+    def record(self, args):
+        flat = encoded(self, args)
+        seen.append((self, list(flat)))
+        return flat
+    grids = []
+    launch = launcher.Launcher._launch_compiled
+
+    def record_grid(self, grid, args, owned=False):
+        grids.append(grid)
+        return launch(self, grid, args, owned)
+    launcher._Direct.encoded, launcher.Launcher._launch_compiled = record, record_grid
+    try:
+        out = fn()
+    finally:
+        launcher._Direct.encoded, launcher.Launcher._launch_compiled = encoded, launch
+    knobs = launcher._knobs()
+    device_of, stream_of = launcher._driver()
+    stream = stream_of(device_of())
+    calls = [(d.run, g, d.kernel, flat) for (d, flat), g in zip(seen, grids)]
+
+    def replay():
+        for run, g, kernel, flat in calls:
+            run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, knobs.launch_enter_hook,
+                knobs.launch_exit_hook, *flat)
+    us = _eager(replay, device)[2]
+    del out
+    return us
+
+
+@triton.jit
+def _one_pointer(x_ptr):
+    tl.store(x_ptr, 1.0)
+
+
+@triton.jit
+def _many_arguments(x_ptr, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18,
+                    a19, a20, a21, a22, a23, a24, a25, a26, a27, a28, a29, a30, a31):
+    tl.store(x_ptr, (a0 + a31).to(tl.float32))
+
+
+def _launch_sizes(device) -> list[dict]:
+    """Host µs in a stream of one launch through anymla's Launcher of a kernel with 1 and with 33 arguments
+    (odd integers, so none is specialized away), and of those kernels' C launchers alone."""
+    from anymla.triton_kernels.launcher import Launcher
+    x = torch.zeros(1, device=device)
+    rows = []
+    for name, kernel, args in (("1 argument", _one_pointer, [x]),
+                               ("33 arguments", _many_arguments, [x] + [2 * i + 3 for i in range(32)])):
+        launcher_ = Launcher(kernel, num_warps=1)
+        call = lambda: launcher_((1, 1, 1), list(args))  # noqa: E731
+        call()
+        via = _eager(call, device)[2]
+        alone = _c_launches_alone(call, device)
+        rows.append(dict(part="primitive", case=f"a launch of a kernel of {name}", who="anymla",
+                         host_stream_us=via, c_launcher_stream_us=alone))
+        print(f"primitive  launch, a kernel of {name:13s}  Launcher {via:5.2f} µs, its C launcher alone {alone:5.2f} µs",
+              flush=True)
+    return rows
+
+
 def _step_targets():
     """(owner, attribute, label) of the steps on the path of a call, outermost first."""
     from anymla import api, buffers, metadata, selection
@@ -305,9 +374,11 @@ def host(device, profile: bool = False, steps: bool = False) -> list[dict]:
             if who.startswith("anymla"):
                 row["host_without_launches_us"], row["host_stream_without_launches_us"] = _without_launches(fn, device)
                 row["launches_alone_us"], row["launches_alone_stream_us"] = _launches_alone(fn, device)
+                row["c_launchers_alone_stream_us"] = _c_launches_alone(fn, device)
                 text = (f"   without the launches {row['host_without_launches_us']:.1f} / "
                         f"{row['host_stream_without_launches_us']:.1f}   the launches alone "
-                        f"{row['launches_alone_us']:.1f} / {row['launches_alone_stream_us']:.1f}")
+                        f"{row['launches_alone_us']:.1f} / {row['launches_alone_stream_us']:.1f}   their C launchers "
+                        f"alone {row['c_launchers_alone_stream_us']:.1f}")
             rows.append(row)
             print(f"host  {name:32s} {who:13s} host {host_us:7.1f} µs/call (in a stream {stream_us:6.1f})   "
                   f"eager {eager_us:8.1f} µs/call" + text, flush=True)
@@ -410,7 +481,7 @@ def main() -> None:
         device = torch.device("cuda")
         if not args.no_cold:
             rows += cold(device)  # first: a new process whose kernels are not compiled yet
-        rows += primitives(device) + host(device, args.profile, args.steps)
+        rows += primitives(device) + _launch_sizes(device) + host(device, args.profile, args.steps)
     if args.csv:
         fields = sorted({k for row in rows for k in row}, key=lambda k: (k not in ("part", "case", "who"), k))
         with open(args.csv, "w", newline="") as f:

@@ -402,3 +402,28 @@ def test_overhead_replays_the_launches_a_call_made(monkeypatch):
     overhead._launches_alone(call, torch.device("cpu"))
     assert made == [(a, (2, 1, 1), [1, 2.0], True), (b, (3, 1, 1), [3], False),
                     (a, (2, 1, 1), [1, 2.0], False), (b, (3, 1, 1), [3], False)]
+
+
+def test_overhead_replays_a_calls_c_launchers_with_its_final_arguments(monkeypatch):
+    """``bench.overhead``'s C-launcher timing hands each compiled kernel's own launcher the argument list the call
+    built (here: tensor addresses in place of tensors), with the call's grid, and nothing else of anymla's path."""
+    from types import SimpleNamespace
+    from anymla.bench import overhead
+    from anymla.triton_kernels import launcher
+    runs = []
+
+    class Kernel:
+        function, packed_metadata = "fn", "meta"
+
+        def run(self, *args):
+            runs.append(args)
+    t = torch.zeros(4)
+    launch = launcher.Launcher(None)
+    launch._pointers = [0]
+    launch._compiled = {int(t.data_ptr() % 16 == 0): launcher._Direct(Kernel())}
+    hooks = SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+    monkeypatch.setattr(launcher, "_knobs", lambda: hooks)
+    monkeypatch.setattr(launcher, "_driver", lambda: (lambda: 0, lambda device: "stream"))
+    monkeypatch.setattr(overhead, "_eager", lambda fn, device: (fn(), 0.0, 0.0))
+    overhead._c_launches_alone(lambda: launch._launch_compiled((5, 2, 1), [t, 7, 0.5]), torch.device("cpu"))
+    assert runs == [(5, 2, 1, "stream", "fn", "meta", None, None, None, t.data_ptr(), 7, 0.5)] * 2
