@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import importlib.util
 import time
 
 import torch
-import triton
-import triton.language as tl
 
 import anymla
 from anymla.kvcache import KVCacheFormat
@@ -235,15 +234,21 @@ def _c_launches_alone(fn, device) -> float:
     return us
 
 
-@triton.jit
-def _one_pointer(x_ptr):
-    tl.store(x_ptr, 1.0)
+@functools.lru_cache(maxsize=None)
+def _tiny_kernels():
+    """Two Triton kernels that store one value: of 1 argument, and of 33 (triton imported here: it is optional)."""
+    import triton
+    import triton.language as tl
 
+    @triton.jit
+    def one_pointer(x_ptr):
+        tl.store(x_ptr, 1.0)
 
-@triton.jit
-def _many_arguments(x_ptr, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18,
-                    a19, a20, a21, a22, a23, a24, a25, a26, a27, a28, a29, a30, a31):
-    tl.store(x_ptr, (a0 + a31).to(tl.float32))
+    @triton.jit
+    def many_arguments(x_ptr, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18,
+                       a19, a20, a21, a22, a23, a24, a25, a26, a27, a28, a29, a30, a31):
+        tl.store(x_ptr, (a0 + a31).to(tl.float32))
+    return one_pointer, many_arguments
 
 
 def _launch_sizes(device) -> list[dict]:
@@ -251,9 +256,10 @@ def _launch_sizes(device) -> list[dict]:
     (odd integers, so none is specialized away), and of those kernels' C launchers alone."""
     from anymla.triton_kernels.launcher import Launcher
     x = torch.zeros(1, device=device)
+    one_pointer, many_arguments = _tiny_kernels()
     rows = []
-    for name, kernel, args in (("1 argument", _one_pointer, [x]),
-                               ("33 arguments", _many_arguments, [x] + [2 * i + 3 for i in range(32)])):
+    for name, kernel, args in (("1 argument", one_pointer, [x]),
+                               ("33 arguments", many_arguments, [x] + [2 * i + 3 for i in range(32)])):
         launcher_ = Launcher(kernel, num_warps=1)
         call = lambda: launcher_((1, 1, 1), list(args))  # noqa: E731
         call()
