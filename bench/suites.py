@@ -167,7 +167,8 @@ SUITES: dict[str, list[Case]] = {
     "v4-decode": [_sparse_decode(f"v4-decode-h{h}", 64, 1, h, "V41_FP8", **_V41_EXTRA) for h in TP_HEADS],
     "v4-prefill": [_prefill(f"v4-prefill-h{h}", h, 512) for h in TP_HEADS],
     # The calls FlashMLA refuses or serves badly (issue 14): tensor-parallel head counts, which FlashMLA only
-    # runs with q padded to 64 heads, and its own MODEL1 (584 B) benchmark configurations CONFIG1 / CONFIG2.
+    # runs with q padded to 64 heads (sparse), dense decoding at 32 heads, and its own MODEL1 (584 B) benchmark
+    # configurations CONFIG1 / CONFIG2.
     "tp": [
         _prefill("tp-prefill-h16-d576", 16, 576),
         _prefill("tp-prefill-h32-d512", 32, 512),
