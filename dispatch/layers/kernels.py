@@ -7,11 +7,21 @@ with the reasons.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
 BACKENDS = ("triton", "torch")
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_reasons(device: torch.device) -> tuple[str, ...]:
+    """Why the Triton tier cannot run on ``device`` (fixed for a process: the interpreter is chosen at import, the
+    GPU does not change), asked once a device: :func:`anymla.layers.write_cache` is called every layer of every
+    step, and the question costs microseconds of host time (CUDA availability, compute capability)."""
+    from anymla.triton_kernels import unavailable_reasons
+    return tuple(unavailable_reasons(device))
 
 
 def choose(device: torch.device, backend: Optional[str] = None) -> tuple[str, str]:
@@ -20,8 +30,7 @@ def choose(device: torch.device, backend: Optional[str] = None) -> tuple[str, st
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)} or None, got {backend!r}")
     if backend == "torch":
         return "torch", "forced (backend='torch')"
-    from anymla.triton_kernels import unavailable_reasons
-    reasons = unavailable_reasons(device)
+    reasons = _triton_reasons(device)
     if backend == "triton":
         if reasons:
             raise RuntimeError(f"backend='triton' cannot run on {device}: " + "; ".join(reasons))
