@@ -29,8 +29,8 @@ _ROPE_CODE = {"interleaved": ROPE_INTERLEAVED.value, "neox": ROPE_NEOX.value}
 # for every quantized format (run 32), see NOTES.md; on sm_90 four tokens a warp, measured faster there for
 # every format but MODEL1 (even) in two sweeps (H200, runs 64-65: FP4 0.594-0.601x copy vs 0.556-0.570x, V3.2
 # 0.696 vs 0.673, V4.1 FP8 0.765 vs 0.735, BF16 0.808 vs 0.798), at 64-105 registers there without spills;
-# other GPUs keep the two-warp tile, measured there no more than the one-warp tile (which compiles for sm_80
-# at 58-105 registers, no spills).
+# other GPUs keep the two-warp tile: neither was measured on them (the one-warp tile compiles for sm_80 at
+# 58-105 registers, no spills).
 GPU_TILE = (4, 4)
 GPU_WRITER_TILE = (4, 2)
 WRITER_TILES = {"cuda_sm90": (4, 1)}
@@ -39,8 +39,8 @@ WRITER_TILES = {"cuda_sm90": (4, 1)}
 # Triton specializes on integer values (1, multiples of 16), a Launcher only on pointer alignment. Bounded:
 # prefills of ever new lengths would add one each.
 _LAUNCHERS: dict = {}
-_Tensor = torch.Tensor  # a module global: one attribute lookup less per argument of every launch
 _LAUNCHER_LIMIT = 4096
+_Tensor = torch.Tensor  # a module global: one attribute lookup less per argument of every launch
 
 
 def _launch(kernel, grid: tuple, args: list, num_warps: int, device: torch.device) -> None:
