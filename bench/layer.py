@@ -4,6 +4,7 @@ writer on a prefill-sized write.
     python -m anymla.bench.layer --out DIR          # on a GPU: b 128, s_k 8192, h_q 128 and 16
     python -m anymla.bench.layer --out DIR --small  # tiny shapes (a CPU smoke run; the interpreter there)
     TRITON_INTERPRET=1 python -m anymla.bench.layer --host   # the layer's own host work per decode step
+    python -m anymla.bench.layer --profile          # where a decode step's host time goes (cProfile)
 
 Layer rows, per head count and cache (bf16: dense decoding; V3.2 FP8: DSA with topk 2048): the layer
 (:class:`anymla.layers.MLAAttention`), each of its parts timed alone (its GEMMs and bmms as torch runs them,
@@ -297,6 +298,41 @@ def host_glue(device, steps: int = 100, rounds: int = 15) -> list[dict]:
     return rows
 
 
+def profile_steps(device, steps: int = 200, top: int = 22) -> None:
+    """Where the host time of an eager decode step goes, per layer case: µs a step enqueued back to back
+    and drained, then cProfile's functions by their own time over ``steps`` steps (on a GPU, every launch
+    real)."""
+    import cProfile
+    import pstats
+
+    g = torch.Generator(device=device).manual_seed(0)
+    for case in layer_cases(device.type == "cpu"):
+        layer = _random_layer(case, device, g)
+        inp = _layer_inputs(case, layer, device, g)
+        step = lambda: layer(**inp)  # noqa: E731
+        for _ in range(20):
+            step()
+        torch.cuda.synchronize() if device.type == "cuda" else None
+        drained = []
+        for _ in range(50):
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            t0 = time.perf_counter()
+            step()
+            drained.append((time.perf_counter() - t0) * 1e6)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        stream = (time.perf_counter() - t0) * 1e6 / steps
+        print(f"=== {case.name}: host {statistics.median(drained):.1f} µs a step drained, {stream:.1f} back to back")
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            step()
+        prof.disable()
+        torch.cuda.synchronize() if device.type == "cuda" else None
+        pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 # Writer tiles (tokens per program, warps) timed next to the shipped one (cache_write.launch.writer_tile) on GPUs.
 WRITER_TILES = ((2, 1), (4, 2), (2, 2), (4, 4), (8, 4))
 
@@ -327,6 +363,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per call (default 50, --small 2)")
     ap.add_argument("--writer-tokens", type=int, default=None, help="tokens per writer call (default 65536)")
     ap.add_argument("--host", action="store_true", help="only the layer's own host work per decode step")
+    ap.add_argument("--profile", action="store_true", help="where a decode step's host time goes (cProfile)")
     ap.add_argument("--writers-only", action="store_true", help="only the cache writer rows (no layer steps)")
     ap.add_argument("--writer-formats", default="", help="comma-separated formats for the writer rows (default all)")
     ap.add_argument("--writer-tiles", default="", help="the writer tiles timed beside the shipped one, "
@@ -337,6 +374,10 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.host:
         return host_glue(device)
+    if args.profile:
+        with torch.no_grad():
+            profile_steps(device)
+        return []
     info = describe(device)
     timer = Timer(device, args.reps or (2 if args.small else 50))
     ceilings = measure_ceilings(device, timer)

@@ -329,12 +329,10 @@ def store_fp4_tiles(cache_ptr, row_at, scale_at, src, live, mask, NATIVE_FP8: tl
         packed = (lo + 16.0 * hi + 8388608.0).to(tl.int32, bitcast=True).to(tl.uint8)
     else:
         IS_BF16: tl.constexpr = src.dtype.element_ty == tl.bfloat16
-        j = tl.arange(0, 4)[None, None, None, :]
-        x_lo = tl.load(at + j, mask=ld, other=0.0)
-        x_hi = tl.load(at + 4 + j, mask=ld, other=0.0)
-        # q_i = (element i, element i + 4) of each half tile: its two codes land 2 bytes apart in the half
-        # tile's word. (Split loads: splitting one [.., 8] load into the four q held 8 copies of each a thread
-        # on sm_80 when the row stride is not 16-divisible, as compile_check builds it, and spilled.)
+        # one 16-byte load a half tile, its elements (i, i + 4) paired: q_i's two codes land 2 bytes apart in
+        # the half tile's word
+        x = tl.load(at + tl.arange(0, 8)[None, None, None, :], mask=ld, other=0.0)
+        x_lo, x_hi = tl.split(tl.permute(tl.reshape(x, (2, BT, 32, 2, 4)), (0, 1, 2, 4, 3)))
         q = _pair_lanes(x_lo, x_hi, NATIVE_FP8)
         qe, qo = tl.split(tl.reshape(q, (2, BT, 32, 2, 2)))
         q0, q2 = tl.split(qe)
