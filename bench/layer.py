@@ -9,7 +9,8 @@ writer on a prefill-sized write.
 Layer rows, per head count and cache (bf16: dense decoding; V3.2 FP8: DSA with topk 2048): the layer
 (:class:`anymla.layers.MLAAttention`), each of its parts timed alone (its GEMMs and bmms as torch runs them,
 and the attention call), their sum, and the same math as plain eager torch ops
-(:func:`anymla.layers.mla_forward_eager`). Writer rows: :func:`anymla.layers.write_cache` at 64k tokens per
+(:func:`anymla.layers.mla_forward_eager`), and the parts called one after another as one call ("parts in
+sequence": eagerly, what those ops cost the host in a mixed sequence). Writer rows: :func:`anymla.layers.write_cache` at 64k tokens per
 format, in bytes read + written per second against the same run's copy bandwidth. Everything is timed both
 as eager launches and as a CUDA-graph replay (where capturable), after a correctness check, with the host's
 time to enqueue one eager call (``host_us``) on accelerators. Issue targets: layer <= 1.15x the sum of its
@@ -189,9 +190,13 @@ def bench_layer(case: LayerCase, timer: Timer, device) -> list[dict]:
         return rows[-1]
 
     layer_row = row("layer", lambda: layer(**inp))
-    parts = [row(name, fn) for name, fn in _parts(layer, inp, device, g).items()]
+    part_fns = _parts(layer, inp, device, g)
+    parts = [row(name, fn) for name, fn in part_fns.items()]
     total = {k: sum(p[k] for p in parts) for k in ("eager_us", "graph_us")}
     rows.append(dict(group="layer", case=case.name, component="sum of parts", **total, note=""))
+    # The same parts one after another as one call: eagerly, the host cost of these ops in a mixed sequence,
+    # which a part repeated alone (hot in the host's caches) does not show.
+    row("parts in sequence", lambda: [fn() for fn in part_fns.values()])
     eager_row = row("eager torch", lambda: mla_forward_eager(layer, **inp))
     for k in ("eager_us", "graph_us"):
         layer_row[f"vs_parts_{k[:-3]}"] = layer_row[k] / total[k]

@@ -419,7 +419,8 @@ def test_bench_layer_runs_small(tmp_path):
     from anymla.bench import layer as bench_layer
     rows = bench_layer.main(["--small", "--reps", "1", "--writer-tokens", "64", "--out", str(tmp_path)])
     assert (tmp_path / "layer.csv").exists()
-    assert {r["component"] for r in rows} >= {"layer", "sum of parts", "eager torch", "write_cache", "attention"}
+    assert {r["component"] for r in rows} >= {"layer", "sum of parts", "parts in sequence", "eager torch",
+                                              "write_cache", "attention"}
     assert all("FAILED" not in r["note"] and "DIFFER" not in r["note"] for r in rows)
     from anymla.layers import kernels
     if kernels.choose(torch.device("cpu"))[0] == "triton":
