@@ -10,8 +10,9 @@ Layer rows, per head count and cache (bf16: dense decoding; V3.2 FP8: DSA with t
 (:class:`anymla.layers.MLAAttention`), each of its parts timed alone (its GEMMs and bmms as torch runs them,
 and the attention call), their sum, and the same math as plain eager torch ops
 (:func:`anymla.layers.mla_forward_eager`), and the parts called one after another as one call ("parts in
-sequence": eagerly, what those ops cost the host in a mixed sequence). Writer rows: :func:`anymla.layers.write_cache` at 64k tokens per
-format, in bytes read + written per second against the same run's copy bandwidth. Everything is timed both
+sequence": eagerly, what those ops cost the host in a mixed sequence). Writer rows:
+:func:`anymla.layers.write_cache` at 64k tokens per format, in bytes read + written per second against the
+same run's copy bandwidth. Everything is timed both
 as eager launches and as a CUDA-graph replay (where capturable), after a correctness check, with the host's
 time to enqueue one eager call (``host_us``) on accelerators. Issue targets: layer <= 1.15x the sum of its
 parts, >= 2x faster than eager torch; writer >= 0.6x copy bandwidth.
@@ -311,16 +312,16 @@ def profile_steps(device, steps: int = 200, top: int = 22) -> None:
     import pstats
 
     g = torch.Generator(device=device).manual_seed(0)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for case in layer_cases(device.type == "cpu"):
         layer = _random_layer(case, device, g)
         inp = _layer_inputs(case, layer, device, g)
         step = lambda: layer(**inp)  # noqa: E731
         for _ in range(20):
             step()
-        torch.cuda.synchronize() if device.type == "cuda" else None
         drained = []
         for _ in range(50):
-            torch.cuda.synchronize() if device.type == "cuda" else None
+            sync()
             t0 = time.perf_counter()
             step()
             drained.append((time.perf_counter() - t0) * 1e6)
@@ -334,7 +335,7 @@ def profile_steps(device, steps: int = 200, top: int = 22) -> None:
         for _ in range(steps):
             step()
         prof.disable()
-        torch.cuda.synchronize() if device.type == "cuda" else None
+        sync()
         pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 

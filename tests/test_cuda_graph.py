@@ -34,7 +34,7 @@ def refill(static, fresh, names):
 
 
 def check_replay(graph, out, lse, static, backend, scale):
-    # twice: a replay must leave the graph's state as it found it (e.g. the split counts merging kernels re-arm)
+    # twice: a replay must leave what the next one reuses (the metadata's workspaces) as it found it
     graph.replay()
     graph.replay()
     torch.cuda.synchronize()
