@@ -474,16 +474,46 @@ def test_decode_step_is_five_gemms_and_the_layer_kernels(fmt):
                 inside[0] -= 1
         return run
 
-    real_launch, real_attention = launch._launch, api.flash_mla_with_kvcache
-    launch._launch, api.flash_mla_with_kvcache = excluded(real_launch, launched), excluded(real_attention)
+    real_launch, real_attention = launch._run, api.flash_mla_with_kvcache
+    launch._run, api.flash_mla_with_kvcache = excluded(real_launch, launched), excluded(real_attention)
     try:
         with CountOps():
             layer(**inp)
     finally:
-        launch._launch, api.flash_mla_with_kvcache = real_launch, real_attention
+        launch._run, api.flash_mla_with_kvcache = real_launch, real_attention
     assert sorted(ops) == ["aten.addmm", "aten.bmm", "aten.bmm", "aten.mm", "aten.mm"], ops
     kernels_run = ["mla_prolog_kernel", "q_assemble_kernel"] + (["sparse_slots_kernel"] if fmt is F.V32_FP8 else [])
     assert sorted(launched) == kernels_run
+
+
+@pytest.mark.parametrize("fmt", [F.BF16, F.V32_FP8], ids=lambda f: f.name)
+def test_a_layer_plan_binds_its_kernels_to_what_its_signature_fixes(fmt, monkeypatch):
+    """A layer's plan launches its kernels through launchers bound on the first call (``Launcher.bind``: later
+    calls hand over only their tensors and floats), so every other argument (sizes, strides, codes) and the grid
+    must be the same in every call of the signature, whatever the values."""
+    from anymla.layers import kernels
+    from anymla.triton_kernels import launcher
+    if kernels.choose(torch.device("cpu"))[0] != "triton":
+        pytest.skip("needs the Triton tier on the CPU (TRITON_INTERPRET=1)")
+    seen: dict = {}
+    real = launcher.Launcher.bind
+
+    def recording(self, grid, values, full):
+        fixed = [None if launcher._per_call(a) else a for a in full()]
+        seen.setdefault(id(self), []).append((getattr(self.fn, "__name__", ""), grid, fixed))
+        return real(self, grid, values, full)
+
+    monkeypatch.setattr(launcher.Launcher, "bind", recording)
+    layer = _small_layer(seed=6)
+    for seed in (10, 11):  # two decode steps of one signature, different caches and values
+        layer(**_decode_inputs(layer, fmt, seed=seed))
+    # (the prefill that fills each cache is a signature of its own, repeated too)
+    repeated = [calls for calls in seen.values() if len(calls) > 1]
+    names = {calls[0][0] for calls in repeated}
+    assert names == {"mla_prolog_kernel", "q_assemble_kernel"} | ({"sparse_slots_kernel"} if fmt is F.V32_FP8
+                                                                   else set()), names
+    for calls in repeated:
+        assert all(c == calls[0] for c in calls), calls[0][0]
 
 
 _METADATA_OPS = {getattr(torch.ops.aten, n) for n in ("view", "reshape", "_unsafe_view", "transpose", "slice", "expand",

@@ -12,7 +12,7 @@ checked and planned once per signature.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,9 @@ from .config import MLAConfig
 from .prolog import check_prolog_cache, run_assemble_q, run_prolog
 from .rope import RopeTable
 from .slots import check_block_table, check_slot_inputs, run_sparse_slots
+
+if TYPE_CHECKING:
+    from anymla.triton_kernels.cache_write.launch import StepLaunchers
 
 __all__ = ["MLAAttention"]
 
@@ -43,6 +46,7 @@ class _StepPlan:
     sparse: bool  # sparse decoding (indices given, or a quantized cache) rather than dense
     sched: FlashMLASchedMeta
     every_position: Optional[torch.Tensor]  # [max_blocks * page] int32: the indices of sparse calls without any
+    launchers: Optional["StepLaunchers"]  # the Triton kernels' launchers bound to this signature, or None (torch)
 
 
 class MLAAttention(torch.nn.Module):
@@ -160,14 +164,16 @@ class MLAAttention(torch.nn.Module):
 
         a = F.linear(x, self.w_qkv_a, self.b_qkv_a)
         r = c.q_lora_rank or 0
+        bound = plan.launchers
         q_lat = run_prolog(plan.kernels, plan.fmt, a[:, r:], self.kv_norm_weight, c.kv_norm_eps, pos, rope, kv_cache,
-                           None, block_table, a[:, :r] if r else None, self.q_norm_weight, c.q_norm_eps)
+                           None, block_table, a[:, :r] if r else None, self.q_norm_weight, c.q_norm_eps,
+                           None if bound is None else bound.prolog)
         q = F.linear(q_lat if r else x, self.w_q).view(t, h, c.qk_head_dim)
         q_full = torch.empty(t, h, c.d_qk, dtype=x.dtype, device=x.device)
         # The absorbed q_nope (W_UK per head) goes straight into the query's first 512 columns (cuBLAS writes
         # the transposed view in place); the assembly then only rotates q_pe into the last 64.
         torch.bmm(q[..., :nope].transpose(0, 1), self.w_uk, out=q_full[..., :c.kv_lora_rank].transpose(0, 1))
-        run_assemble_q(plan.kernels, None, q[..., nope:], pos, rope, q_full)
+        run_assemble_q(plan.kernels, None, q[..., nope:], pos, rope, q_full, None if bound is None else bound.assemble)
 
         o = self._attend(plan, q_full.view(b, s, h, c.d_qk), kv_cache, block_table, cache_seqlens, positions, indices)
         o_v = torch.empty(t, h * c.v_head_dim, dtype=x.dtype, device=x.device)
@@ -191,7 +197,9 @@ class MLAAttention(torch.nn.Module):
             return out
         if indices is None:
             indices = plan.every_position.expand(b, s, -1)
-        slots = run_sparse_slots(plan.kernels, indices, positions, block_table, kv_cache.shape[1])
+        bound = plan.launchers
+        slots = run_sparse_slots(plan.kernels, indices, positions, block_table, kv_cache.shape[1],
+                                 None if bound is None else bound.slots)
         out, _ = api.flash_mla_with_kvcache(q, kv_cache, None, None, 512, plan.sched, softmax_scale=self.softmax_scale,
                                             is_fp8_kvcache=plan.fmt.is_quantized, indices=slots,
                                             backend=self.attention_backend)
@@ -218,8 +226,12 @@ class MLAAttention(torch.nn.Module):
         if sparse and indices is None:
             every_position = torch.arange(block_table.shape[1] * kv_cache.shape[1], dtype=torch.int32,
                                           device=kv_cache.device)
-        plan = _StepPlan(fmt, kernels.choose(kv_cache.device, self.kernel_backend)[0], sparse, get_mla_metadata()[0],
-                         every_position)
+        impl = kernels.choose(kv_cache.device, self.kernel_backend)[0]
+        launchers = None
+        if impl == "triton":
+            from anymla.triton_kernels.cache_write import launch
+            launchers = launch.step_launchers(kv_cache.device)
+        plan = _StepPlan(fmt, impl, sparse, get_mla_metadata()[0], every_position, launchers)
         key = _signature(hidden_states, positions, kv_cache, block_table, cache_seqlens, indices, residual,
                          self.kernel_backend, self.attention_backend)
         self._plans[key] = plan

@@ -104,8 +104,9 @@ def mla_prolog_reference(kv_a: torch.Tensor, kv_norm_weight: torch.Tensor, kv_ep
 
 
 def run_prolog(name: str, fmt: KVCacheFormat, kv_a, kv_norm_weight, kv_eps, positions, rope, cache, slots, block_table,
-               q_lat, q_norm_weight, q_eps):
-    """:func:`mla_prolog` on arguments already checked, with the implementation ``name`` ("triton" / "torch")."""
+               q_lat, q_norm_weight, q_eps, bound=None):
+    """:func:`mla_prolog` on arguments already checked, with the implementation ``name`` ("triton" / "torch");
+    ``bound``: the caller's launcher for this call signature (``cache_write.launch.step_launchers``)."""
     if name == "torch":
         if slots is None:
             b = block_table.shape[0]
@@ -119,7 +120,7 @@ def run_prolog(name: str, fmt: KVCacheFormat, kv_a, kv_norm_weight, kv_eps, posi
     q_out = None if q_lat is None else torch.empty_like(q_lat)
     launch.mla_prolog(kv_a, kv_norm_weight, float(kv_eps), q_lat, q_norm_weight, float(q_eps), q_out,
                       positions.contiguous(), rope.cos, rope.sin, None if slots is None else slots.contiguous(),
-                      block_table, cache, fmt, rope.style)
+                      block_table, cache, fmt, rope.style, bound)
     return q_out
 
 
@@ -159,8 +160,9 @@ def assemble_q(q_nope_abs: Optional[torch.Tensor], q_pe: torch.Tensor, positions
     return out
 
 
-def run_assemble_q(name: str, q_nope_abs, q_pe, positions, rope, out) -> None:
-    """:func:`assemble_q` on arguments already checked, with the implementation ``name``, into ``out``."""
+def run_assemble_q(name: str, q_nope_abs, q_pe, positions, rope, out, bound=None) -> None:
+    """:func:`assemble_q` on arguments already checked, with the implementation ``name``, into ``out``
+    (``bound``: as :func:`run_prolog`'s)."""
     if name == "torch":
         pe = apply_rope(q_pe, positions[:, None], rope).to(out.dtype)
         if q_nope_abs is None:
@@ -169,7 +171,7 @@ def run_assemble_q(name: str, q_nope_abs, q_pe, positions, rope, out) -> None:
             out.copy_(torch.cat([q_nope_abs.transpose(0, 1), pe], -1))
         return
     from anymla.triton_kernels.cache_write import launch
-    launch.assemble_q(q_nope_abs, q_pe, positions.contiguous(), rope.cos, rope.sin, out, rope.style)
+    launch.assemble_q(q_nope_abs, q_pe, positions.contiguous(), rope.cos, rope.sin, out, rope.style, bound)
 
 
 def assemble_q_reference(q_nope_abs: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor,

@@ -4,10 +4,14 @@
 Every launch goes through anymla's direct :class:`~anymla.triton_kernels.launcher.Launcher`: after a kernel's
 first call with a given set of non-tensor arguments, later calls skip Triton's per-call binding and
 specialization (tens of microseconds of host time each, more than these kernels take on the GPU in a decode
-step).
+step). A caller that makes the same call signature again and again (a layer's plan) passes its own bound
+launchers (:func:`step_launchers`): a call then hands only its tensors and floats to the compiled kernel, without
+building the argument list and the key a launcher is found by.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -41,6 +45,7 @@ WRITER_TILES = {"cuda_sm90": (4, 1)}
 _LAUNCHERS: dict = {}
 _LAUNCHER_LIMIT = 4096
 _Tensor = torch.Tensor  # a module global: one attribute lookup less per argument of every launch
+_NO_EPS = 0.0  # the q epsilon of a prolog without a q latent (one object: a bound launch's float slot)
 
 
 def _launch(kernel, grid: tuple, args: list, num_warps: int, device: torch.device) -> None:
@@ -51,6 +56,30 @@ def _launch(kernel, grid: tuple, args: list, num_warps: int, device: torch.devic
             _LAUNCHERS.clear()
         launcher = _LAUNCHERS[key] = Launcher(kernel, num_warps=num_warps)
     launcher(grid + (1,) * (3 - len(grid)), args)
+
+
+def _run(kernel, grid: tuple, values: tuple, full, num_warps: int, device: torch.device,
+         bound: Optional[Launcher]) -> None:
+    """Launch ``kernel`` with the argument list ``full()``: through ``bound`` (a caller's launcher for one call
+    signature) handing it only ``values``, the list's tensors, None and floats in order; else by the key."""
+    if bound is None:
+        _launch(kernel, grid, full(), num_warps, device)
+    else:
+        bound.bind(grid + (1,) * (3 - len(grid)), values, full)
+
+
+class StepLaunchers(NamedTuple):
+    """Launchers of the kernels of one layer call signature (its plan keeps them), for the ``bound`` argument
+    of :func:`mla_prolog`, :func:`assemble_q` and :func:`sparse_slots`."""
+
+    prolog: Launcher
+    assemble: Launcher
+    slots: Launcher
+
+
+def step_launchers(device: torch.device) -> StepLaunchers:
+    return StepLaunchers(Launcher(mla_prolog_kernel, num_warps=_tile(device)[1]),
+                         Launcher(q_assemble_kernel, num_warps=4), Launcher(sparse_slots_kernel, num_warps=4))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -102,52 +131,64 @@ def write_rows(cache: torch.Tensor, fmt: KVCacheFormat, latent: torch.Tensor, sl
 
 def mla_prolog(kv_a: torch.Tensor, kv_weight: torch.Tensor, kv_eps: float, q_lat, q_weight, q_eps: float, q_out,
                positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots, block_table,
-               cache: torch.Tensor, fmt: KVCacheFormat, rope_style: str) -> None:
+               cache: torch.Tensor, fmt: KVCacheFormat, rope_style: str, bound: Optional[Launcher] = None) -> None:
     """Fused RMSNorm (kv latent, and q latent when ``q_lat`` is given) + RoPE of k_pe + cache write, at
     ``slots [T]`` or (``slots`` None) at the slots of ``block_table [b, max_blocks]`` for the positions."""
     n = kv_a.shape[0]
     if n == 0:
         return
-    ptr, capacity, page, sb, st = _cache_geometry(cache, fmt)
-    q_rank = 0 if q_lat is None else q_lat.shape[1]
-    q_args = [kv_a, 0, kv_weight, 0.0, kv_a, 0] if q_lat is None else [q_lat, q_lat.stride(0), q_weight, q_eps,
-                                                                        q_out, q_out.stride(0)]
-    from_table = slots is None
-    table_args = ([None, block_table, *block_table.stride(), n // block_table.shape[0], block_table.shape[1]]
-                  if from_table else [slots, None, 0, 0, 1, 0])
     bt, warps = _tile(cache.device)
-    _launch(mla_prolog_kernel, (_cdiv(n, bt),),
-            [kv_a, kv_a.stride(0), kv_weight, kv_eps, *q_args, positions, cos, sin, cos.stride(0), *table_args,
-             ptr, n, capacity, page, sb, st, _FMT_CODE[fmt], _ROPE_CODE[rope_style], q_rank,
-             _pow2(max(q_rank, 1)), from_table, _native_fp8(cache.device), bt], warps,
-            cache.device)
+    q_values = (kv_a, kv_weight, _NO_EPS, kv_a) if q_lat is None else (q_lat, q_weight, q_eps, q_out)
+    from_table = slots is None
+    values = (kv_a, kv_weight, kv_eps, *q_values, positions, cos, sin,
+              *((None, block_table) if from_table else (slots, None)), cache)
+
+    def full():
+        ptr, capacity, page, sb, st = _cache_geometry(cache, fmt)
+        q_rank = 0 if q_lat is None else q_lat.shape[1]
+        q_args = [kv_a, 0, kv_weight, _NO_EPS, kv_a, 0] if q_lat is None else [q_lat, q_lat.stride(0), q_weight,
+                                                                                q_eps, q_out, q_out.stride(0)]
+        table_args = ([None, block_table, *block_table.stride(), n // block_table.shape[0], block_table.shape[1]]
+                      if from_table else [slots, None, 0, 0, 1, 0])
+        return [kv_a, kv_a.stride(0), kv_weight, kv_eps, *q_args, positions, cos, sin, cos.stride(0), *table_args,
+                ptr, n, capacity, page, sb, st, _FMT_CODE[fmt], _ROPE_CODE[rope_style], q_rank,
+                _pow2(max(q_rank, 1)), from_table, _native_fp8(cache.device), bt]
+
+    _run(mla_prolog_kernel, (_cdiv(n, bt),), values, full, warps, cache.device, bound)
 
 
 def assemble_q(q_nope_abs, q_pe: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               out: torch.Tensor, rope_style: str) -> None:
+               out: torch.Tensor, rope_style: str, bound: Optional[Launcher] = None) -> None:
     """``out [T, h, 512 + 64] = [q_nope_abs [h, T, 512] | RoPE(q_pe [T, h, 64])]``; with ``q_nope_abs`` None
     the first 512 columns of ``out`` hold the absorbed q already and only q_pe is rotated."""
     n, h, d = out.shape
     if n == 0:
         return
-    d_lat = d - 64
     block_h = min(16, _pow2(h))
-    copy = q_nope_abs is not None
-    qn = [q_nope_abs, q_nope_abs.stride(0), q_nope_abs.stride(1)] if copy else [None, 0, 0]
-    _launch(q_assemble_kernel, (n, _cdiv(h, block_h)),
-            [*qn, q_pe, q_pe.stride(0), q_pe.stride(1), positions, cos, sin, cos.stride(0),
-             out, out.stride(0), out.stride(1), h, d_lat, _ROPE_CODE[rope_style], copy, block_h], 4, out.device)
+
+    def full():
+        copy = q_nope_abs is not None
+        qn = [q_nope_abs, q_nope_abs.stride(0), q_nope_abs.stride(1)] if copy else [None, 0, 0]
+        return [*qn, q_pe, q_pe.stride(0), q_pe.stride(1), positions, cos, sin, cos.stride(0),
+                out, out.stride(0), out.stride(1), h, d - 64, _ROPE_CODE[rope_style], copy, block_h]
+
+    _run(q_assemble_kernel, (n, _cdiv(h, block_h)), (q_nope_abs, q_pe, positions, cos, sin, out), full, 4, out.device,
+         bound)
 
 
 def sparse_slots(indices: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor, page_size: int,
-                 out: torch.Tensor) -> None:
+                 out: torch.Tensor, bound: Optional[Launcher] = None) -> None:
     """``out [b, s, topk]`` int32: the cache slots of ``indices [b, s, topk]`` (token positions; -1 where an
     index is negative, after its query's position in ``positions [b, s]`` or past ``block_table``)."""
     b, s, topk = indices.shape
     if b * s * topk == 0:
         return
     block_k = min(1024, _pow2(topk))
-    _launch(sparse_slots_kernel, (b * s, _cdiv(topk, block_k)),
-            [indices, indices.stride(0), indices.stride(1), indices.stride(2), positions, positions.stride(0),
-             positions.stride(1), block_table, *block_table.stride(), out, s, topk, block_table.shape[1], page_size,
-             block_k], 4, out.device)
+
+    def full():
+        return [indices, indices.stride(0), indices.stride(1), indices.stride(2), positions, positions.stride(0),
+                positions.stride(1), block_table, *block_table.stride(), out, s, topk, block_table.shape[1],
+                page_size, block_k]
+
+    _run(sparse_slots_kernel, (b * s, _cdiv(topk, block_k)), (indices, positions, block_table, out), full, 4,
+         out.device, bound)
