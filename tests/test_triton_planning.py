@@ -292,6 +292,53 @@ def test_a_bound_launch_passes_a_call_s_tensors_and_rebuilds_its_list_for_a_new_
         launcher.Launcher(_Jit()).bind((1, 1, 1), (torch.empty(64, dtype=torch.uint8), out, 2.0), lambda: full(out))
 
 
+@pytest.mark.parametrize("with_q", [True, False], ids=["q_latent", "no_q_latent"])
+def test_bound_layer_kernel_launches_hand_the_compiled_kernel_what_keyed_ones_do(monkeypatch, with_q):
+    """The layer kernels' launches bound to a plan (``cache_write.launch.step_launchers``: a call hands over only
+    its tensors and floats) give the compiled kernel the same grid and arguments as the keyed launches, which
+    build the whole list every call: here for a later call with new tensors, and one with a new epsilon."""
+    from anymla.kvcache import KVCacheFormat
+    from anymla.triton_kernels import launcher
+    from anymla.triton_kernels.cache_write import launch
+    monkeypatch.setattr(launcher, "_driver", lambda: (lambda: 0, lambda device: 7))
+    names = ("mla_prolog_kernel", "q_assemble_kernel", "sparse_slots_kernel")
+
+    def inputs(seed):
+        g = torch.Generator().manual_seed(seed)
+        t, r = 8, torch.randn(8, 576 + 48, generator=g).bfloat16()
+        return dict(kv_a=r[:, 48:], w=torch.randn(512, generator=g).bfloat16(), q_lat=r[:, :48] if with_q else None,
+                    q_w=torch.randn(48, generator=g).bfloat16() if with_q else None,
+                    q_out=torch.empty(t, 48).bfloat16() if with_q else None, pos=torch.arange(t, dtype=torch.int32),
+                    cos=torch.randn(64, 32), sin=torch.randn(64, 32), bt=torch.arange(8, dtype=torch.int32).view(4, 2),
+                    cache=torch.zeros(8, 16, 1, 656, dtype=torch.uint8), q_full=torch.empty(t, 4, 576).bfloat16(),
+                    q=torch.randn(t, 4, 192, generator=g).bfloat16(), idx=torch.randint(-1, 30, (4, 2, 8), generator=g),
+                    qpos=torch.full((4, 2), 20), slots=torch.empty(4, 2, 8, dtype=torch.int32), eps=1e-6)
+
+    def step(a, bound):
+        launch.mla_prolog(a["kv_a"], a["w"], a["eps"], a["q_lat"], a["q_w"], 2 * a["eps"], a["q_out"], a["pos"],
+                          a["cos"], a["sin"], None, a["bt"], a["cache"], KVCacheFormat.V32_FP8, "interleaved",
+                          bound and bound.prolog)
+        launch.assemble_q(None, a["q"][..., 128:], a["pos"], a["cos"], a["sin"], a["q_full"], "interleaved",
+                          bound and bound.assemble)
+        launch.sparse_slots(a["idx"], a["qpos"], a["bt"], 16, a["slots"], bound and bound.slots)
+
+    calls = [inputs(0), inputs(1)]
+    handed = {}
+    for mode in ("keyed", "bound"):
+        jits = {n: _Jit() for n in names}
+        for n, jit in jits.items():
+            monkeypatch.setattr(launch, n, jit)
+        bound = launch.step_launchers(torch.device("cpu")) if mode == "bound" else None
+        for a in calls:  # the first compiles (through fn[grid]), the second launches the compiled kernel
+            step(a, bound)
+        assert all(j.calls == 1 and len(j.kernels[0].launches) == 1 for j in jits.values()), mode
+        handed[mode] = {n: j.kernels[0].launches[0] for n, j in jits.items()}
+    assert handed["bound"] == handed["keyed"]
+    assert calls[1]["cache"].data_ptr() in handed["bound"]["mla_prolog_kernel"]
+    step({**inputs(2), "eps": 3e-6}, bound)  # a float is the call's own too (the keyed launch keys on it)
+    assert 3e-6 in jits["mla_prolog_kernel"].kernels[0].launches[-1] and jits["mla_prolog_kernel"].calls == 1
+
+
 def test_a_direct_launch_encodes_each_tensor_memory_descriptor_once(monkeypatch):
     """Under Triton's descriptor wrapper (this Triton's own ``wrap_handle_tensordesc``), the direct launch hands
     the inner launcher exactly what the wrapper would, and encodes a descriptor object once, not per launch."""
