@@ -78,6 +78,7 @@ class StepLaunchers(NamedTuple):
 
 
 def step_launchers(device: torch.device) -> StepLaunchers:
+    """Fresh launchers for one call signature of a layer on ``device`` (bound by its first call)."""
     return StepLaunchers(Launcher(mla_prolog_kernel, num_warps=_tile(device)[1]),
                          Launcher(q_assemble_kernel, num_warps=4), Launcher(sparse_slots_kernel, num_warps=4))
 
