@@ -253,7 +253,7 @@ def test_kernels_compile_for_hopper_and_ampere_without_spills():
                           "--arch", "90", "80"], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("sm/")]
-    assert len(lines) == 18 and all(" spills    0 B" in ln and "fits" in ln for ln in lines), run.stdout
+    assert len(lines) == 20 and all(" spills    0 B" in ln and "fits" in ln for ln in lines), run.stdout
 
 
 def _slots_oracle(indices, positions, table, page):
@@ -284,6 +284,36 @@ def test_sparse_slots_drop_what_a_query_may_not_attend(impl, dtype):
     assert (want >= 0).sum() > 10 and (want < 0).sum() > 10  # both kinds occur
     got = sparse_slots(indices.to(dtype).to(DEVICE), positions.to(DEVICE), table.to(DEVICE), page, backend=impl)
     assert got.dtype == torch.int32 and torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("topk", [37, 1500])
+def test_the_assembly_launch_writes_the_slots_a_sparse_step_reads(impl, topk):
+    """A layer's sparse step takes its DSA slots from the q assembly's launch (its grid goes on past the head
+    blocks): the slots equal sparse_slots' element by element (here over two slot blocks when topk > 1024),
+    and the query is what the assembly alone writes."""
+    if impl == "triton" and not TRITON:
+        pytest.skip(kernels.choose(DEVICE)[1])
+    from anymla.layers.prolog import run_assemble_q
+    g = torch.Generator().manual_seed(8)
+    b, s, h, page, max_blocks = 3, 2, 20, 64, 6
+    table = torch.randperm(40, generator=g)[: 2 * b * max_blocks].view(b, 2 * max_blocks).int()[:, ::2]
+    positions = torch.tensor([[70, 71], [250, 251], [0, 1]])
+    wide = torch.randint(-3, max_blocks * page + 6, (b, s, 2 * topk), generator=g)
+    wide[..., 2] = max_blocks * page
+    indices = wide[..., ::2]
+    want = _slots_oracle(indices, positions, table, page)
+    q = torch.randn(b * s, h, 96, generator=g).bfloat16().to(DEVICE)
+    table_rope = _table("interleaved")
+    alone = torch.randn(b * s, h, 576, generator=g).bfloat16().to(DEVICE)
+    fused = alone.clone()
+    pos = positions.reshape(-1).to(DEVICE)
+    assert run_assemble_q(impl, None, q[..., 32:], pos, table_rope, alone) is None
+    got = run_assemble_q(impl, None, q[..., 32:], pos, table_rope, fused,
+                         slots_of=(indices.to(DEVICE), table.to(DEVICE), page))
+    assert got.dtype == torch.int32 and torch.equal(got.cpu(), want)
+    assert (want >= 0).sum() > 10 and (want < 0).sum() > 10
+    assert torch.equal(fused, alone)
 
 
 def test_sparse_slots_errors_name_the_argument():

@@ -444,7 +444,7 @@ def _decode_inputs(layer, fmt, seed=10):
 @pytest.mark.parametrize("fmt", [F.BF16, F.V32_FP8], ids=lambda f: f.name)
 def test_decode_step_is_five_gemms_and_the_layer_kernels(fmt):
     """On the Triton tier a decode step issues no torch op besides its five GEMMs / bmms (slots, RoPE, norms,
-    the cache write and the query's layout are the layer's kernels: two, three with DSA indices), then the
+    the cache write, the query's layout and the DSA indices' cache slots are the layer's two kernels), then the
     attention call. Counted on the CPU, in the interpreter."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from anymla import api
@@ -482,8 +482,7 @@ def test_decode_step_is_five_gemms_and_the_layer_kernels(fmt):
     finally:
         launch._run, api.flash_mla_with_kvcache = real_launch, real_attention
     assert sorted(ops) == ["aten.addmm", "aten.bmm", "aten.bmm", "aten.mm", "aten.mm"], ops
-    kernels_run = ["mla_prolog_kernel", "q_assemble_kernel"] + (["sparse_slots_kernel"] if fmt is F.V32_FP8 else [])
-    assert sorted(launched) == kernels_run
+    assert sorted(launched) == ["mla_prolog_kernel", "q_assemble_kernel"]
 
 
 @pytest.mark.parametrize("fmt", [F.BF16, F.V32_FP8], ids=lambda f: f.name)
@@ -510,8 +509,7 @@ def test_a_layer_plan_binds_its_kernels_to_what_its_signature_fixes(fmt, monkeyp
     # (the prefill that fills each cache is a signature of its own, repeated too)
     repeated = [calls for calls in seen.values() if len(calls) > 1]
     names = {calls[0][0] for calls in repeated}
-    assert names == {"mla_prolog_kernel", "q_assemble_kernel"} | ({"sparse_slots_kernel"} if fmt is F.V32_FP8
-                                                                   else set()), names
+    assert names == {"mla_prolog_kernel", "q_assemble_kernel"}, names
     for calls in repeated:
         assert all(c == calls[0] for c in calls), calls[0][0]
 

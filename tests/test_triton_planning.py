@@ -301,7 +301,7 @@ def test_bound_layer_kernel_launches_hand_the_compiled_kernel_what_keyed_ones_do
     from anymla.triton_kernels import launcher
     from anymla.triton_kernels.cache_write import launch
     monkeypatch.setattr(launcher, "_driver", lambda: (lambda: 0, lambda device: 7))
-    names = ("mla_prolog_kernel", "q_assemble_kernel", "sparse_slots_kernel")
+    names = ("mla_prolog_kernel", "q_assemble_kernel")
 
     def inputs(seed):
         g = torch.Generator().manual_seed(seed)
@@ -312,15 +312,14 @@ def test_bound_layer_kernel_launches_hand_the_compiled_kernel_what_keyed_ones_do
                     cos=torch.randn(64, 32), sin=torch.randn(64, 32), bt=torch.arange(8, dtype=torch.int32).view(4, 2),
                     cache=torch.zeros(8, 16, 1, 656, dtype=torch.uint8), q_full=torch.empty(t, 4, 576).bfloat16(),
                     q=torch.randn(t, 4, 192, generator=g).bfloat16(), idx=torch.randint(-1, 30, (4, 2, 8), generator=g),
-                    qpos=torch.full((4, 2), 20), slots=torch.empty(4, 2, 8, dtype=torch.int32), eps=1e-6)
+                    slots=torch.empty(4, 2, 8, dtype=torch.int32), eps=1e-6)
 
     def step(a, bound):
         launch.mla_prolog(a["kv_a"], a["w"], a["eps"], a["q_lat"], a["q_w"], 2 * a["eps"], a["q_out"], a["pos"],
                           a["cos"], a["sin"], None, a["bt"], a["cache"], KVCacheFormat.V32_FP8, "interleaved",
                           bound and bound.prolog)
         launch.assemble_q(None, a["q"][..., 128:], a["pos"], a["cos"], a["sin"], a["q_full"], "interleaved",
-                          bound and bound.assemble)
-        launch.sparse_slots(a["idx"], a["qpos"], a["bt"], 16, a["slots"], bound and bound.slots)
+                          bound and bound.assemble, launch.QuerySlots(a["idx"], a["bt"], 16, a["slots"]))
 
     calls = [inputs(0), inputs(1)]
     handed = {}

@@ -2,8 +2,8 @@
 
 Per call: one GEMM for the q and kv down-projections, the fused prolog (RMSNorm of both latents, RoPE of
 k_pe, the cache write in the cache's format at the block table's slots), the q up-projection, the absorbed
-q (``q_nope @ W_UK`` per head, a bmm writing into the query) with the roped q_pe beside it, the DSA indices'
-cache slots (one kernel), anymla's attention in the 512-wide latent space, ``W_UV`` (a bmm writing
+q (``q_nope @ W_UK`` per head, a bmm writing into the query), then one kernel rotating q_pe beside it and
+turning the DSA indices into cache slots, anymla's attention in the 512-wide latent space, ``W_UV`` (a bmm writing
 ``o_proj``'s input layout) and ``o_proj`` (with the residual added in the same GEMM). ``W_UK`` / ``W_UV``
 are split out of ``kv_b_proj`` and laid out for the bmms once, at load; what a call signature fixes is
 checked and planned once per signature.
@@ -24,7 +24,7 @@ from . import kernels
 from .config import MLAConfig
 from .prolog import check_prolog_cache, run_assemble_q, run_prolog
 from .rope import RopeTable
-from .slots import check_block_table, check_slot_inputs, run_sparse_slots
+from .slots import check_block_table, check_slot_inputs
 
 if TYPE_CHECKING:
     from anymla.triton_kernels.cache_write.launch import StepLaunchers
@@ -149,7 +149,7 @@ class MLAAttention(torch.nn.Module):
 
         What a call signature fixes (shapes, dtypes, strides, devices, which optional inputs are given) is
         checked and planned on its first call (:meth:`_plan`); later calls launch only: on the Triton tier a
-        decode step is five torch GEMMs, three Triton kernels and the attention call.
+        decode step is five torch GEMMs, two Triton kernels and the attention call.
         """
         plan = self._plans.get(_signature(hidden_states, positions, kv_cache, block_table, cache_seqlens, indices,
                                           residual, self.kernel_backend, self.attention_backend))
@@ -173,9 +173,14 @@ class MLAAttention(torch.nn.Module):
         # The absorbed q_nope (W_UK per head) goes straight into the query's first 512 columns (cuBLAS writes
         # the transposed view in place); the assembly then only rotates q_pe into the last 64.
         torch.bmm(q[..., :nope].transpose(0, 1), self.w_uk, out=q_full[..., :c.kv_lora_rank].transpose(0, 1))
-        run_assemble_q(plan.kernels, None, q[..., nope:], pos, rope, q_full, None if bound is None else bound.assemble)
+        slots_of = None
+        if plan.sparse:  # the DSA indices' cache slots come from the assembly's launch
+            slots_of = (plan.every_position.expand(b, s, -1) if indices is None else indices, block_table,
+                        kv_cache.shape[1])
+        slots = run_assemble_q(plan.kernels, None, q[..., nope:], pos, rope, q_full,
+                               None if bound is None else bound.assemble, slots_of)
 
-        o = self._attend(plan, q_full.view(b, s, h, c.d_qk), kv_cache, block_table, cache_seqlens, positions, indices)
+        o = self._attend(plan, q_full.view(b, s, h, c.d_qk), kv_cache, block_table, cache_seqlens, slots)
         o_v = torch.empty(t, h * c.v_head_dim, dtype=x.dtype, device=x.device)
         torch.bmm(o.reshape(t, h, c.kv_lora_rank).transpose(0, 1), self.w_uv_t,
                   out=o_v.view(t, h, c.v_head_dim).transpose(0, 1))               # [h, t, v] written as [t, h * v]
@@ -186,20 +191,14 @@ class MLAAttention(torch.nn.Module):
             out = torch.addmm(res if self.b_o is None else res + self.b_o, o_v, self.w_o.t())
         return out.view(b, s, c.hidden_size)
 
-    def _attend(self, plan: "_StepPlan", q, kv_cache, block_table, cache_seqlens, positions, indices):
+    def _attend(self, plan: "_StepPlan", q, kv_cache, block_table, cache_seqlens, slots):
         """anymla's attention over the cache: dense decoding for a bf16 cache without indices, sparse
-        decoding (indices turned into cache slots) otherwise. Returns ``[b, s, h, 512]``."""
-        b, s = q.shape[:2]
+        decoding at the DSA indices' cache ``slots`` otherwise. Returns ``[b, s, h, 512]``."""
         if not plan.sparse:
             out, _ = api.flash_mla_with_kvcache(q, kv_cache, block_table, cache_seqlens, 512, plan.sched,
-                                                softmax_scale=self.softmax_scale, causal=s > 1,
+                                                softmax_scale=self.softmax_scale, causal=q.shape[1] > 1,
                                                 backend=self.attention_backend)
             return out
-        if indices is None:
-            indices = plan.every_position.expand(b, s, -1)
-        bound = plan.launchers
-        slots = run_sparse_slots(plan.kernels, indices, positions, block_table, kv_cache.shape[1],
-                                 None if bound is None else bound.slots)
         out, _ = api.flash_mla_with_kvcache(q, kv_cache, None, None, 512, plan.sched, softmax_scale=self.softmax_scale,
                                             is_fp8_kvcache=plan.fmt.is_quantized, indices=slots,
                                             backend=self.attention_backend)

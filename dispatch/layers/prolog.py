@@ -160,18 +160,29 @@ def assemble_q(q_nope_abs: Optional[torch.Tensor], q_pe: torch.Tensor, positions
     return out
 
 
-def run_assemble_q(name: str, q_nope_abs, q_pe, positions, rope, out, bound=None) -> None:
+def run_assemble_q(name: str, q_nope_abs, q_pe, positions, rope, out, bound=None, slots_of=None):
     """:func:`assemble_q` on arguments already checked, with the implementation ``name``, into ``out``
-    (``bound``: as :func:`run_prolog`'s)."""
+    (``bound``: as :func:`run_prolog`'s). ``slots_of``: ``(indices [b, s, topk], block_table, page_size)``
+    (checked as :func:`~anymla.layers.sparse_slots` checks them, the ``T = b * s`` tokens being the queries in
+    request order): their cache slots come back, computed by the same launch on the Triton tier."""
     if name == "torch":
         pe = apply_rope(q_pe, positions[:, None], rope).to(out.dtype)
         if q_nope_abs is None:
             out[..., 512:] = pe
         else:
             out.copy_(torch.cat([q_nope_abs.transpose(0, 1), pe], -1))
-        return
+        if slots_of is None:
+            return None
+        indices, block_table, page_size = slots_of
+        return sparse_slots_reference(indices, positions.view(indices.shape[:2]), block_table, page_size)
     from anymla.triton_kernels.cache_write import launch
-    launch.assemble_q(q_nope_abs, q_pe, positions.contiguous(), rope.cos, rope.sin, out, rope.style, bound)
+    slots = None
+    if slots_of is not None:
+        indices, block_table, page_size = slots_of
+        slots = launch.QuerySlots(indices, block_table, page_size,
+                                  torch.empty(indices.shape, dtype=torch.int32, device=indices.device))
+    launch.assemble_q(q_nope_abs, q_pe, positions.contiguous(), rope.cos, rope.sin, out, rope.style, bound, slots)
+    return None if slots is None else slots.out
 
 
 def assemble_q_reference(q_nope_abs: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor,

@@ -68,14 +68,13 @@ def sparse_slots(indices: torch.Tensor, positions: torch.Tensor, block_table: to
     return run_sparse_slots(kernels.choose(indices.device, backend)[0], indices, positions, block_table, page_size)
 
 
-def run_sparse_slots(name: str, indices, positions, block_table, page_size: int, bound=None) -> torch.Tensor:
-    """:func:`sparse_slots` on arguments already checked, with the implementation ``name`` (``bound``: the
-    caller's launcher for this call signature, ``cache_write.launch.step_launchers``)."""
+def run_sparse_slots(name: str, indices, positions, block_table, page_size: int) -> torch.Tensor:
+    """:func:`sparse_slots` on arguments already checked, with the implementation ``name``."""
     if name == "torch":
         return sparse_slots_reference(indices, positions, block_table, page_size)
     from anymla.triton_kernels.cache_write import launch
     out = torch.empty(indices.shape, dtype=torch.int32, device=indices.device)
-    launch.sparse_slots(indices, positions, block_table, page_size, out, bound)
+    launch.sparse_slots(indices, positions, block_table, page_size, out)
     return out
 
 

@@ -23,7 +23,8 @@ _FLOATS = ("kv_eps", "q_eps")
 
 def jobs(arch: Arch = ARCHS["90"]):
     """(label, kernel, pointer types, constexprs, warps) of every shipped instantiation on ``arch`` (the layer's:
-    prolog slots from the block table, the q assembly rotating q_pe only; unit strides are constants, as
+    prolog slots from the block table, the q assembly rotating q_pe only, with and without a sparse step's
+    slots; unit strides are constants, as
     Triton's launcher specializes them)."""
     out, writer = [], writer_tile(arch.kind)
     for fmt, name, d in ((0, "BF16", 576), (1, "V32_FP8", 576), (2, "MODEL1_FP8", 512), (3, "V41_FP8", 512),
@@ -36,9 +37,14 @@ def jobs(arch: Arch = ARCHS["90"]):
         out.append((f"prolog {name} q1536", mla_prolog_kernel, ptrs,
                     dict(FMT=fmt, ROPE_STYLE=0, Q_RANK=1536, Q_BLOCK=2048, SLOTS_FROM_TABLE=True,
                          NATIVE_FP8=arch.native_fp8, BLOCK_T=GPU_TILE[0], bt_s_k=1), GPU_TILE[1]))
-    out.append(("q assembly", q_assemble_kernel, {"qn_ptr": "*bf16", "qpe_ptr": "*bf16", "pos_ptr": "*i64",
-                                                 "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*bf16"},
-                dict(D_LAT=512, ROPE_STYLE=0, COPY_NOPE=False, BLOCK_H=16), 4))
+    query = {"qn_ptr": "*bf16", "qpe_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+             "out_ptr": "*bf16"}
+    out.append(("q assembly", q_assemble_kernel, query,
+                dict(D_LAT=512, ROPE_STYLE=0, COPY_NOPE=False, BLOCK_H=16, SLOTS=False, BLOCK_K=1), 4))
+    out.append(("q assembly + slots", q_assemble_kernel,
+                {**query, "idx_ptr": "*i32", "bt_ptr": "*i32", "slots_ptr": "*i32"},
+                dict(D_LAT=512, ROPE_STYLE=0, COPY_NOPE=False, BLOCK_H=16, SLOTS=True, BLOCK_K=1024, idx_s_k=1,
+                     bt_s_k=1), 4))
     out.append(("sparse slots", sparse_slots_kernel, {"idx_ptr": "*i32", "pos_ptr": "*i64", "bt_ptr": "*i32",
                                                       "out_ptr": "*i32"}, dict(BLOCK_K=1024, idx_s_k=1, bt_s_k=1), 4))
     return out

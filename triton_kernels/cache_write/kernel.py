@@ -559,16 +559,11 @@ def mla_prolog_kernel(kv_ptr, kv_stride, kv_w_ptr, kv_eps,
 
 
 @triton.jit
-def q_assemble_kernel(qn_ptr, qn_s_h, qn_s_t, qpe_ptr, qpe_s_t, qpe_s_h,
-                      pos_ptr, cos_ptr, sin_ptr, table_stride,
-                      out_ptr, out_s_t, out_s_h, n_heads,
-                      D_LAT: tl.constexpr, ROPE_STYLE: tl.constexpr, COPY_NOPE: tl.constexpr,
-                      BLOCK_H: tl.constexpr):
-    """One token's attention query for BLOCK_H heads: ``out[t, h] = [q_nope_absorbed[h, t] (D_LAT) |
-    RoPE(q_pe[t, h]) (64)]``; without COPY_NOPE the nope part is in ``out`` already (the absorbing bmm wrote
-    it there) and only q_pe is rotated. Strides are in elements; the last dim of every input is contiguous."""
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+def _assemble_heads(qn_ptr, qn_s_h, qn_s_t, qpe_ptr, qpe_s_t, qpe_s_h, pos_ptr, cos_ptr, sin_ptr, table_stride,
+                    out_ptr, out_s_t, out_s_h, n_heads, t, head_block,
+                    D_LAT: tl.constexpr, ROPE_STYLE: tl.constexpr, COPY_NOPE: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Token ``t``'s query for the heads of ``head_block`` (see :func:`q_assemble_kernel`)."""
+    h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = (h < n_heads)[:, None]
     h64 = h.to(tl.int64)
     dst = out_ptr + t * out_s_t + h64[:, None] * out_s_h
@@ -591,17 +586,56 @@ def q_assemble_kernel(qn_ptr, qn_s_h, qn_s_t, qpe_ptr, qpe_s_t, qpe_s_h,
 
 
 @triton.jit
-def sparse_slots_kernel(idx_ptr, idx_s_b, idx_s_s, idx_s_k, pos_ptr, pos_s_b, pos_s_s, bt_ptr, bt_s_b, bt_s_k,
-                        out_ptr, s_q, topk, max_blocks, page_size, BLOCK_K: tl.constexpr):
-    """The cache slots of one query's DSA indices (token positions): ``out [b * s_q, topk]`` int32 holds
-    ``block_table[i, p // page] * page + p % page`` for ``p = indices[i, j, k]``, or -1 where ``p < 0``,
-    ``p > positions[i, j]`` (after the query) or ``p`` lies past the block table."""
-    row = tl.program_id(0)
+def _query_slots(idx_ptr, idx_s_b, idx_s_s, idx_s_k, pos_ptr, pos_s_b, pos_s_s, bt_ptr, bt_s_b, bt_s_k,
+                 out_ptr, row, k_block, s_q, topk, max_blocks, page_size, BLOCK_K: tl.constexpr):
+    """The cache slots of query ``row``'s (request ``row // s_q``, query ``row % s_q``) indices in ``k_block``
+    (see :func:`sparse_slots_kernel`)."""
     i = row // s_q
     j = row % s_q
-    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
     live = k < topk
     pos = tl.load(pos_ptr + i.to(tl.int64) * pos_s_b + j * pos_s_s)
     p = tl.load(idx_ptr + i.to(tl.int64) * idx_s_b + j.to(tl.int64) * idx_s_s + k * idx_s_k, mask=live, other=-1)
     slot = table_slots(bt_ptr, bt_s_b, bt_s_k, i, p, live & (p <= pos), page_size, max_blocks)
     tl.store(out_ptr + row.to(tl.int64) * topk + k, slot.to(tl.int32), mask=live)
+
+
+@triton.jit
+def q_assemble_kernel(qn_ptr, qn_s_h, qn_s_t, qpe_ptr, qpe_s_t, qpe_s_h,
+                      pos_ptr, cos_ptr, sin_ptr, table_stride,
+                      out_ptr, out_s_t, out_s_h, n_heads,
+                      idx_ptr, idx_s_b, idx_s_s, idx_s_k, bt_ptr, bt_s_b, bt_s_k, slots_ptr, s_q, topk, max_blocks,
+                      page_size,
+                      D_LAT: tl.constexpr, ROPE_STYLE: tl.constexpr, COPY_NOPE: tl.constexpr,
+                      BLOCK_H: tl.constexpr, SLOTS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token's attention query for BLOCK_H heads: ``out[t, h] = [q_nope_absorbed[h, t] (D_LAT) |
+    RoPE(q_pe[t, h]) (64)]``; without COPY_NOPE the nope part is in ``out`` already (the absorbing bmm wrote
+    it there) and only q_pe is rotated. Strides are in elements; the last dim of every input is contiguous.
+
+    With SLOTS the grid's second axis goes on past the head blocks: those programs write the token's DSA
+    cache slots into ``slots_ptr`` (as :func:`sparse_slots_kernel`, the tokens being ``b * s_q`` queries in
+    request order, ``pos_ptr`` their positions), so a sparse decode step launches one kernel less."""
+    t = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    head_blocks = tl.cdiv(n_heads, BLOCK_H)
+    if SLOTS:
+        if block >= head_blocks:
+            _query_slots(idx_ptr, idx_s_b, idx_s_s, idx_s_k, pos_ptr, s_q, 1, bt_ptr, bt_s_b, bt_s_k,
+                         slots_ptr, tl.program_id(0), block - head_blocks, s_q, topk, max_blocks, page_size, BLOCK_K)
+        else:
+            _assemble_heads(qn_ptr, qn_s_h, qn_s_t, qpe_ptr, qpe_s_t, qpe_s_h, pos_ptr, cos_ptr, sin_ptr,
+                            table_stride, out_ptr, out_s_t, out_s_h, n_heads, t, block,
+                            D_LAT, ROPE_STYLE, COPY_NOPE, BLOCK_H)
+    else:
+        _assemble_heads(qn_ptr, qn_s_h, qn_s_t, qpe_ptr, qpe_s_t, qpe_s_h, pos_ptr, cos_ptr, sin_ptr, table_stride,
+                        out_ptr, out_s_t, out_s_h, n_heads, t, block, D_LAT, ROPE_STYLE, COPY_NOPE, BLOCK_H)
+
+
+@triton.jit
+def sparse_slots_kernel(idx_ptr, idx_s_b, idx_s_s, idx_s_k, pos_ptr, pos_s_b, pos_s_s, bt_ptr, bt_s_b, bt_s_k,
+                        out_ptr, s_q, topk, max_blocks, page_size, BLOCK_K: tl.constexpr):
+    """The cache slots of one query's DSA indices (token positions): ``out [b * s_q, topk]`` int32 holds
+    ``block_table[i, p // page] * page + p % page`` for ``p = indices[i, j, k]``, or -1 where ``p < 0``,
+    ``p > positions[i, j]`` (after the query) or ``p`` lies past the block table."""
+    _query_slots(idx_ptr, idx_s_b, idx_s_s, idx_s_k, pos_ptr, pos_s_b, pos_s_s, bt_ptr, bt_s_b, bt_s_k, out_ptr,
+                 tl.program_id(0), tl.program_id(1), s_q, topk, max_blocks, page_size, BLOCK_K)

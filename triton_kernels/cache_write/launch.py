@@ -70,17 +70,16 @@ def _run(kernel, grid: tuple, values: tuple, full, num_warps: int, device: torch
 
 class StepLaunchers(NamedTuple):
     """Launchers of the kernels of one layer call signature (its plan keeps them), for the ``bound`` argument
-    of :func:`mla_prolog`, :func:`assemble_q` and :func:`sparse_slots`."""
+    of :func:`mla_prolog` and :func:`assemble_q`."""
 
     prolog: Launcher
     assemble: Launcher
-    slots: Launcher
 
 
 def step_launchers(device: torch.device) -> StepLaunchers:
     """Fresh launchers for one call signature of a layer on ``device`` (bound by its first call)."""
     return StepLaunchers(Launcher(mla_prolog_kernel, num_warps=_tile(device)[1]),
-                         Launcher(q_assemble_kernel, num_warps=4), Launcher(sparse_slots_kernel, num_warps=4))
+                         Launcher(q_assemble_kernel, num_warps=4))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -158,38 +157,64 @@ def mla_prolog(kv_a: torch.Tensor, kv_weight: torch.Tensor, kv_eps: float, q_lat
     _run(mla_prolog_kernel, (_cdiv(n, bt),), values, full, warps, cache.device, bound)
 
 
+class QuerySlots(NamedTuple):
+    """DSA cache slots an :func:`assemble_q` launch writes beside the query: those of ``indices [b, s, topk]``
+    (token positions) through ``block_table [b, max_blocks]`` with ``page_size`` tokens a block, into
+    ``out [b, s, topk]`` int32 (as :func:`sparse_slots`; the query's ``T`` tokens are the ``b * s`` queries)."""
+
+    indices: torch.Tensor
+    block_table: torch.Tensor
+    page_size: int
+    out: torch.Tensor
+
+
+def _slot_block(topk: int) -> int:
+    return min(1024, _pow2(topk))
+
+
+def _slot_args(slots: Optional[QuerySlots]) -> list:
+    """The slot arguments of ``q_assemble_kernel`` (placeholders without slots)."""
+    if slots is None:
+        return [None, 0, 0, 0, None, 0, 0, None, 1, 0, 0, 1]
+    idx, bt = slots.indices, slots.block_table
+    return [idx, *idx.stride(), bt, *bt.stride(), slots.out, idx.shape[1], idx.shape[2], bt.shape[1],
+            slots.page_size]
+
+
 def assemble_q(q_nope_abs, q_pe: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               out: torch.Tensor, rope_style: str, bound: Optional[Launcher] = None) -> None:
+               out: torch.Tensor, rope_style: str, bound: Optional[Launcher] = None,
+               slots: Optional[QuerySlots] = None) -> None:
     """``out [T, h, 512 + 64] = [q_nope_abs [h, T, 512] | RoPE(q_pe [T, h, 64])]``; with ``q_nope_abs`` None
-    the first 512 columns of ``out`` hold the absorbed q already and only q_pe is rotated."""
+    the first 512 columns of ``out`` hold the absorbed q already and only q_pe is rotated. ``slots``: the
+    queries' DSA cache slots, written by the same launch (``positions`` then in request order)."""
     n, h, d = out.shape
     if n == 0:
         return
     block_h = min(16, _pow2(h))
+    slot_blocks = 0 if slots is None else _cdiv(slots.indices.shape[2], _slot_block(slots.indices.shape[2]))
+    slot_values = (None, None, None) if slots is None else (slots.indices, slots.block_table, slots.out)
 
     def full():
         copy = q_nope_abs is not None
         qn = [q_nope_abs, q_nope_abs.stride(0), q_nope_abs.stride(1)] if copy else [None, 0, 0]
+        block_k = 1 if slots is None else _slot_block(slots.indices.shape[2])
         return [*qn, q_pe, q_pe.stride(0), q_pe.stride(1), positions, cos, sin, cos.stride(0),
-                out, out.stride(0), out.stride(1), h, d - 64, _ROPE_CODE[rope_style], copy, block_h]
+                out, out.stride(0), out.stride(1), h, *_slot_args(slots), d - 64, _ROPE_CODE[rope_style], copy,
+                block_h, slots is not None, block_k]
 
-    _run(q_assemble_kernel, (n, _cdiv(h, block_h)), (q_nope_abs, q_pe, positions, cos, sin, out), full, 4, out.device,
-         bound)
+    _run(q_assemble_kernel, (n, _cdiv(h, block_h) + slot_blocks),
+         (q_nope_abs, q_pe, positions, cos, sin, out, *slot_values), full, 4, out.device, bound)
 
 
 def sparse_slots(indices: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor, page_size: int,
-                 out: torch.Tensor, bound: Optional[Launcher] = None) -> None:
+                 out: torch.Tensor) -> None:
     """``out [b, s, topk]`` int32: the cache slots of ``indices [b, s, topk]`` (token positions; -1 where an
     index is negative, after its query's position in ``positions [b, s]`` or past ``block_table``)."""
     b, s, topk = indices.shape
     if b * s * topk == 0:
         return
-    block_k = min(1024, _pow2(topk))
-
-    def full():
-        return [indices, indices.stride(0), indices.stride(1), indices.stride(2), positions, positions.stride(0),
-                positions.stride(1), block_table, *block_table.stride(), out, s, topk, block_table.shape[1],
-                page_size, block_k]
-
-    _run(sparse_slots_kernel, (b * s, _cdiv(topk, block_k)), (indices, positions, block_table, out), full, 4,
-         out.device, bound)
+    block_k = _slot_block(topk)
+    _launch(sparse_slots_kernel, (b * s, _cdiv(topk, block_k)),
+            [indices, indices.stride(0), indices.stride(1), indices.stride(2), positions, positions.stride(0),
+             positions.stride(1), block_table, *block_table.stride(), out, s, topk, block_table.shape[1],
+             page_size, block_k], 4, out.device)
