@@ -253,7 +253,75 @@ def test_kernels_compile_for_hopper_and_ampere_without_spills():
                           "--arch", "90", "80"], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("sm/")]
-    assert len(lines) == 20 and all(" spills    0 B" in ln and "fits" in ln for ln in lines), run.stdout
+    assert len(lines) == 32 and all(" spills    0 B" in ln and "fits" in ln for ln in lines), run.stdout
+
+
+V4_FORMATS = [F.BF16, F.MODEL1_FP8, F.V41_FP8, F.V41_FP4]
+
+
+def _v4_step_inputs(seed: int):
+    """Two requests of 5 new tokens over a 4 x 4-slot block table (request 1's last position is past it), the
+    fused [q latent | kv row] projection output (a strided view each, as the layer passes them), fp32 weights."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(10, 24 + 512, generator=g) * 3).bfloat16().to(DEVICE)
+    pos = torch.cat([torch.arange(3, 8), torch.arange(12, 17)]).to(DEVICE)
+    table = torch.randperm(8, generator=g)[:8].view(2, 4).int().to(DEVICE)
+    kv_w, q_w = (1 + 0.2 * torch.randn(512 + 24, generator=g)).to(DEVICE).split([512, 24])
+    return qkv[:, 24:], kv_w, qkv[:, :24], q_w, pos, table
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", V4_FORMATS, ids=lambda f: f.name)
+def test_v4_prolog_kernel_writes_what_the_model_ops_write(fmt):
+    """V4's fused prolog against its torch ops (the norms, RoPE of the trailing 64, the reference writer at the
+    block table's slots): the q latent within one rounding, the cache rows equal after decoding (one ulp where a
+    norm rounds differently), nothing written outside the written slots (a position past the table: none)."""
+    from anymla.layers.v4_kernels import run_v4_prolog
+    kv, kv_w, q_lat, q_w, pos, table = _v4_step_inputs(11)
+    rope = _table("interleaved")
+    ours, ref = _empty_cache(fmt, 8, 4, 512), _empty_cache(fmt, 8, 4, 512)
+    q_ours = run_v4_prolog("triton", fmt, kv, kv_w, 1e-6, q_lat, q_w, pos, rope, ours, table)
+    q_ref = run_v4_prolog("torch", fmt, kv, kv_w, 1e-6, q_lat, q_w, pos, rope, ref, table)
+    ulp = 2.0 ** -7
+    torch.testing.assert_close(q_ours.float(), q_ref.float(), atol=0, rtol=ulp)
+    written = kvcache.cache_slots(pos.view(2, 5).clamp(max=15), table, 4).view(-1)[:-1]  # 16 is past the table
+    got = kvcache.gather_rows(ours, written, fmt).float().reshape(9, 512)
+    want = kvcache.gather_rows(ref, written, fmt).float().reshape(9, 512)
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=ulp if fmt in (F.BF16, F.MODEL1_FP8) else 2.0 ** -2)
+    assert (_storage(ours) != _storage(ref)).float().mean() < 0.01
+    untouched = torch.ones(8 * 4, dtype=torch.bool)
+    untouched[written.long().cpu()] = False
+    blank = _empty_cache(fmt, 8, 4, 512)
+    for cache in (ours, ref):
+        assert torch.equal(kvcache.gather_rows(cache, untouched.nonzero()[:, 0].to(DEVICE), fmt).view(torch.uint8),
+                           kvcache.gather_rows(blank, untouched.nonzero()[:, 0].to(DEVICE), fmt).view(torch.uint8))
+
+
+@needs_triton
+@pytest.mark.parametrize("norm", [True, False], ids=["query", "output"])
+def test_v4_heads_kernel_matches_the_model_ops_and_writes_the_window_slots(norm):
+    """The V4 heads kernel in place against the torch ops: the query form (per-head norm without a weight, the
+    factor rounded, then RoPE of the trailing 64, with each query's window slots exactly as sparse_slots gives
+    them), and the output form (the rotation back alone, every other channel untouched)."""
+    from anymla.layers.v4_kernels import run_v4_heads
+    g = torch.Generator().manual_seed(12)
+    h, window = 20, 6
+    x = (torch.randn(10, h, 512, generator=g) * 2).bfloat16().to(DEVICE)
+    _, _, _, _, pos, table = _v4_step_inputs(12)
+    rope = _table("interleaved")
+    rope = rope if norm else RopeTable(rope.cos, -rope.sin, rope.style)
+    eps = 1e-6 if norm else None
+    window_of = (table, window, 4) if norm else None
+    ours, slots = run_v4_heads("triton", x.clone(), pos, rope, eps, window_of=window_of)
+    want, want_slots = run_v4_heads("torch", x.clone(), pos, rope, eps, window_of=window_of)
+    torch.testing.assert_close(ours.float(), want.float(), atol=0, rtol=2.0 ** -7)
+    if norm:
+        assert (ours != want).float().mean() < 0.01
+        oracle = _slots_oracle(pos.view(2, 5, 1).cpu() - torch.arange(window), pos.view(2, 5).cpu(), table.cpu(), 4)
+        assert slots.dtype == torch.int32 and torch.equal(slots.cpu(), oracle) and (oracle < 0).any()
+    else:
+        assert slots is None and torch.equal(ours[..., :448], x[..., :448])
 
 
 def _slots_oracle(indices, positions, table, page):

@@ -441,19 +441,12 @@ def _decode_inputs(layer, fmt, seed=10):
                 indices=indices if fmt is F.V32_FP8 else None, residual=torch.randn(2, 1, 32, generator=g).bfloat16())
 
 
-@pytest.mark.parametrize("fmt", [F.BF16, F.V32_FP8], ids=lambda f: f.name)
-def test_decode_step_is_five_gemms_and_the_layer_kernels(fmt):
-    """On the Triton tier a decode step issues no torch op besides its five GEMMs / bmms (slots, RoPE, norms,
-    the cache write, the query's layout and the DSA indices' cache slots are the layer's two kernels), then the
-    attention call. Counted on the CPU, in the interpreter."""
+def _step_ops_and_launches(layer, inp: dict) -> tuple[list, list]:
+    """The torch ops (metadata-only ones aside) and the Triton kernels a planned step issues outside the
+    attention call, counted on the CPU in the interpreter."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from anymla import api
-    from anymla.layers import kernels
     from anymla.triton_kernels.cache_write import launch
-    if kernels.choose(torch.device("cpu"))[0] != "triton":
-        pytest.skip("needs the Triton tier on the CPU (TRITON_INTERPRET=1)")
-    layer = _small_layer(seed=4)
-    inp = _decode_inputs(layer, fmt)
     layer(**inp)  # planned
     inside, ops, launched = [0], [], []
 
@@ -481,11 +474,59 @@ def test_decode_step_is_five_gemms_and_the_layer_kernels(fmt):
             layer(**inp)
     finally:
         launch._run, api.flash_mla_with_kvcache = real_launch, real_attention
-    assert sorted(ops) == ["aten.addmm", "aten.bmm", "aten.bmm", "aten.mm", "aten.mm"], ops
-    assert sorted(launched) == ["mla_prolog_kernel", "q_assemble_kernel"]
+    return sorted(ops), sorted(launched)
 
 
 @pytest.mark.parametrize("fmt", [F.BF16, F.V32_FP8], ids=lambda f: f.name)
+def test_decode_step_is_five_gemms_and_the_layer_kernels(fmt):
+    """On the Triton tier a decode step issues no torch op besides its five GEMMs / bmms (slots, RoPE, norms,
+    the cache write, the query's layout and the DSA indices' cache slots are the layer's two kernels), then the
+    attention call. Counted on the CPU, in the interpreter."""
+    from anymla.layers import kernels
+    if kernels.choose(torch.device("cpu"))[0] != "triton":
+        pytest.skip("needs the Triton tier on the CPU (TRITON_INTERPRET=1)")
+    layer = _small_layer(seed=4)
+    ops, launched = _step_ops_and_launches(layer, _decode_inputs(layer, fmt))
+    assert ops == ["aten.addmm", "aten.bmm", "aten.bmm", "aten.mm", "aten.mm"], ops
+    assert launched == ["mla_prolog_kernel", "q_assemble_kernel"]
+
+
+def _small_v4_layer():
+    from anymla.layers import V4Attention, V4Config
+    layer = V4Attention(V4Config(hidden_size=32, num_heads=4, q_lora_rank=16, o_groups=2, o_lora_rank=8,
+                                 sliding_window=4))
+    g = torch.Generator().manual_seed(3)
+    for _, buf in layer.named_buffers():
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    return layer
+
+
+def _v4_step_inputs(fmt, seed: int = 0) -> dict:
+    """One decoding token of each of two requests over a small V4 cache of ``fmt`` (random bytes)."""
+    g = torch.Generator().manual_seed(seed)
+    last = {F.BF16: 512, F.MODEL1_FP8: 584, F.V41_FP8: 528, F.V41_FP4: 288}[fmt]
+    cache = torch.randint(0, 256, (4, 4, 1, last), generator=g, dtype=torch.uint8)
+    return dict(hidden_states=torch.randn(2, 1, 32, generator=g).bfloat16(),
+                positions=torch.randint(4, 8, (2, 1), generator=g),
+                kv_cache=torch.randn(4, 4, 1, 512, generator=g).bfloat16() if fmt is F.BF16 else cache,
+                block_table=torch.randperm(4, generator=g).view(2, 2).int(),
+                residual=torch.randn(2, 1, 32, generator=g).bfloat16())
+
+
+@pytest.mark.parametrize("fmt", [F.BF16, F.V41_FP4], ids=lambda f: f.name)
+def test_v4_step_is_four_gemms_and_three_kernels(fmt):
+    """A V4 step on the Triton tier: its GEMMs ([q_a | kv] in one, q_b, the grouped o_a bmm, o_b with the
+    residual) and three kernels (the prolog with the cache write; the query heads with the window slots; the
+    output's rotation back), then the attention call; no other torch op."""
+    from anymla.layers import kernels
+    if kernels.choose(torch.device("cpu"))[0] != "triton":
+        pytest.skip("needs the Triton tier on the CPU (TRITON_INTERPRET=1)")
+    ops, launched = _step_ops_and_launches(_small_v4_layer(), _v4_step_inputs(fmt))
+    assert ops == ["aten.addmm", "aten.bmm", "aten.mm", "aten.mm"], ops
+    assert launched == ["v4_heads_kernel", "v4_heads_kernel", "v4_prolog_kernel"]
+
+
+@pytest.mark.parametrize("fmt", [F.BF16, F.V32_FP8, F.MODEL1_FP8, F.V41_FP4], ids=lambda f: f.name)
 def test_a_layer_plan_binds_its_kernels_to_what_its_signature_fixes(fmt, monkeypatch):
     """A layer's plan launches its kernels through launchers bound on the first call (``Launcher.bind``: later
     calls hand over only their tensors and floats), so every other argument (sizes, strides, codes) and the grid
@@ -503,13 +544,15 @@ def test_a_layer_plan_binds_its_kernels_to_what_its_signature_fixes(fmt, monkeyp
         return real(self, grid, values, full)
 
     monkeypatch.setattr(launcher.Launcher, "bind", recording)
-    layer = _small_layer(seed=6)
+    v4 = fmt in (F.MODEL1_FP8, F.V41_FP4)  # V4's layer (its formats); V3's otherwise
+    layer = _small_v4_layer() if v4 else _small_layer(seed=6)
     for seed in (10, 11):  # two decode steps of one signature, different caches and values
-        layer(**_decode_inputs(layer, fmt, seed=seed))
+        layer(**(_v4_step_inputs(fmt, seed) if v4 else _decode_inputs(layer, fmt, seed=seed)))
     # (the prefill that fills each cache is a signature of its own, repeated too)
     repeated = [calls for calls in seen.values() if len(calls) > 1]
     names = {calls[0][0] for calls in repeated}
-    assert names == {"mla_prolog_kernel", "q_assemble_kernel"}, names
+    assert names == ({"v4_heads_kernel", "v4_prolog_kernel"} if v4 else {"mla_prolog_kernel", "q_assemble_kernel"}), \
+        names
     for calls in repeated:
         assert all(c == calls[0] for c in calls), calls[0][0]
 

@@ -292,16 +292,32 @@ def test_a_bound_launch_passes_a_call_s_tensors_and_rebuilds_its_list_for_a_new_
         launcher.Launcher(_Jit()).bind((1, 1, 1), (torch.empty(64, dtype=torch.uint8), out, 2.0), lambda: full(out))
 
 
+def _keyed_and_bound(monkeypatch, names, calls, step, launchers):
+    """What each stand-in compiled kernel of ``names`` is handed when ``step(a, bound)`` runs the ``calls``
+    through the keyed launches (``bound`` None), then through fresh bound launchers: ``{mode: {name: [its
+    launches]}}``; the first call of each launch compiles (through ``fn[grid]``), later ones launch directly."""
+    from anymla.triton_kernels import launcher
+    from anymla.triton_kernels.cache_write import launch
+    monkeypatch.setattr(launcher, "_driver", lambda: (lambda: 0, lambda device: 7))
+    handed, jits = {}, {}
+    for mode in ("keyed", "bound"):
+        jits = {n: _Jit() for n in names}
+        for n, jit in jits.items():
+            monkeypatch.setattr(launch, n, jit)
+        bound = launchers(torch.device("cpu")) if mode == "bound" else None
+        for a in calls:
+            step(a, bound)
+        handed[mode] = {n: [x for k in j.kernels for x in k.launches] for n, j in jits.items()}
+    return handed, jits, bound
+
+
 @pytest.mark.parametrize("with_q", [True, False], ids=["q_latent", "no_q_latent"])
 def test_bound_layer_kernel_launches_hand_the_compiled_kernel_what_keyed_ones_do(monkeypatch, with_q):
     """The layer kernels' launches bound to a plan (``cache_write.launch.step_launchers``: a call hands over only
     its tensors and floats) give the compiled kernel the same grid and arguments as the keyed launches, which
     build the whole list every call: here for a later call with new tensors, and one with a new epsilon."""
     from anymla.kvcache import KVCacheFormat
-    from anymla.triton_kernels import launcher
     from anymla.triton_kernels.cache_write import launch
-    monkeypatch.setattr(launcher, "_driver", lambda: (lambda: 0, lambda device: 7))
-    names = ("mla_prolog_kernel", "q_assemble_kernel")
 
     def inputs(seed):
         g = torch.Generator().manual_seed(seed)
@@ -322,20 +338,45 @@ def test_bound_layer_kernel_launches_hand_the_compiled_kernel_what_keyed_ones_do
                           bound and bound.assemble, launch.QuerySlots(a["idx"], a["bt"], 16, a["slots"]))
 
     calls = [inputs(0), inputs(1)]
-    handed = {}
-    for mode in ("keyed", "bound"):
-        jits = {n: _Jit() for n in names}
-        for n, jit in jits.items():
-            monkeypatch.setattr(launch, n, jit)
-        bound = launch.step_launchers(torch.device("cpu")) if mode == "bound" else None
-        for a in calls:  # the first compiles (through fn[grid]), the second launches the compiled kernel
-            step(a, bound)
-        assert all(j.calls == 1 and len(j.kernels[0].launches) == 1 for j in jits.values()), mode
-        handed[mode] = {n: j.kernels[0].launches[0] for n, j in jits.items()}
+    names = ("mla_prolog_kernel", "q_assemble_kernel")
+    handed, jits, bound = _keyed_and_bound(monkeypatch, names, calls, step, launch.step_launchers)
+    assert all(j.calls == 1 and len(handed["bound"][n]) == 1 for n, j in jits.items())
     assert handed["bound"] == handed["keyed"]
-    assert calls[1]["cache"].data_ptr() in handed["bound"]["mla_prolog_kernel"]
+    assert calls[1]["cache"].data_ptr() in handed["bound"]["mla_prolog_kernel"][0]
     step({**inputs(2), "eps": 3e-6}, bound)  # a float is the call's own too (the keyed launch keys on it)
     assert 3e-6 in jits["mla_prolog_kernel"].kernels[0].launches[-1] and jits["mla_prolog_kernel"].calls == 1
+
+
+def test_bound_v4_layer_kernel_launches_hand_the_compiled_kernel_what_keyed_ones_do(monkeypatch):
+    """The same for a V4 layer's kernels (``v4_step_launchers``): the prolog, and the heads kernel in its two
+    forms (query heads with window slots, output heads), each bound to its own launcher."""
+    from anymla.kvcache import KVCacheFormat
+    from anymla.triton_kernels.cache_write import launch
+
+    def inputs(seed):
+        g = torch.Generator().manual_seed(seed)
+        r = torch.randn(8, 512 + 48, generator=g).bfloat16()
+        return dict(kv=r[:, 48:], w=torch.randn(512, generator=g), q_lat=r[:, :48], q_w=torch.randn(48, generator=g),
+                    q_out=torch.empty(8, 48).bfloat16(), pos=torch.arange(8), cos=torch.randn(64, 32),
+                    sin=torch.randn(64, 32), sin_back=torch.randn(64, 32),
+                    bt=torch.arange(8, dtype=torch.int32).view(4, 2),
+                    cache=torch.zeros(8, 16, 1, 288, dtype=torch.uint8), q=torch.randn(8, 4, 512).bfloat16(),
+                    o=torch.randn(8, 4, 512).bfloat16(), slots=torch.empty(4, 2, 6, dtype=torch.int32))
+
+    def step(a, bound):
+        launch.v4_prolog(a["kv"], a["w"], 1e-6, a["q_lat"], a["q_w"], a["q_out"], a["pos"], a["cos"], a["sin"],
+                         a["bt"], a["cache"], KVCacheFormat.V41_FP4, bound and bound.prolog)
+        launch.v4_heads(a["q"], a["pos"], a["cos"], a["sin"], 1e-6, bound and bound.query,
+                        launch.WindowSlots(a["bt"], 2, 6, 16, a["slots"]))
+        launch.v4_heads(a["o"], a["pos"], a["cos"], a["sin_back"], None, bound and bound.output)
+
+    calls = [inputs(0), inputs(1)]
+    handed, jits, _ = _keyed_and_bound(monkeypatch, ("v4_prolog_kernel", "v4_heads_kernel"), calls, step,
+                                       launch.v4_step_launchers)
+    assert jits["v4_prolog_kernel"].calls == 1 and jits["v4_heads_kernel"].calls == 2  # the heads' two forms
+    assert len(handed["bound"]["v4_heads_kernel"]) == 2  # the later call's two launches, straight
+    assert handed["bound"] == handed["keyed"]
+    assert calls[1]["slots"].data_ptr() in handed["bound"]["v4_heads_kernel"][0]
 
 
 def test_a_direct_launch_encodes_each_tensor_memory_descriptor_once(monkeypatch):

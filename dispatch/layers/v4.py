@@ -9,8 +9,12 @@ V4.1 FP8 528, V4.1 FP4 288: :func:`anymla.layers.write_cache`), each query's win
 anymla's sparse decoding over them (``d_qk = d_v = 512``, the sinks as ``attn_sink``), and the grouped output
 projection. Prefill and decoding are the same call (``s`` new tokens a request).
 
+On the Triton tier a step is four torch GEMMs / bmms, three Triton kernels (the prolog: both latents'
+norms, the row's RoPE and cache write; the query heads' norm and RoPE with each query's window slots; the
+output's rotation back) and the attention call (:mod:`anymla.layers.v4_kernels`).
+
 Layers with a compressor (V4's compressed sparse and heavily compressed attention) are not built: their
-compressed rows and indexer are not here. The norms and RoPE run as torch ops (no fused V4 prolog yet).
+compressed rows and indexer are not here.
 """
 
 from __future__ import annotations
@@ -25,14 +29,13 @@ from .. import api
 from ..kvcache import KVCacheFormat, detect_format
 from ..metadata import get_mla_metadata
 from . import kernels
-from .cache_write import check_slot_count, write_cache
-from .rope import RopeTable, apply_rope
-from .slots import check_block_table, run_sparse_slots
+from .cache_write import check_slot_count
+from .rope import RopeTable
+from .slots import check_block_table
+from .v4_kernels import HEAD_DIM, ROPE, run_v4_heads, run_v4_prolog
 
 __all__ = ["V4Attention", "V4Config"]
 
-HEAD_DIM = 512  # V4's shared key/value head: the cache row
-ROPE = 64  # its trailing rope channels
 _FORMATS = (KVCacheFormat.BF16, KVCacheFormat.MODEL1_FP8, KVCacheFormat.V41_FP8, KVCacheFormat.V41_FP4)
 
 
@@ -63,22 +66,6 @@ class V4Config:
         return HEAD_DIM ** -0.5
 
 
-def _rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-    """V4's RMSNorm: fp32 statistics; a weight (kept in fp32) multiplies the fp32 value before the one cast
-    back, the unweighted form (q per head) multiplies ``x`` by the rounded factor."""
-    if weight is None:
-        return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-    h = x.float()
-    return (weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
-
-
-def _rope_tail(x: torch.Tensor, positions: torch.Tensor, table: RopeTable) -> torch.Tensor:
-    """Rotate the trailing 64 channels of ``x [..., 512]`` at ``positions`` in place (interleaved pairs, fp32
-    math; ``x`` is the layer's own intermediate) and return it."""
-    x[..., -ROPE:] = apply_rope(x[..., -ROPE:], positions, table).to(x.dtype)
-    return x
-
-
 class V4Attention(torch.nn.Module):
     """One V4 sliding-window attention layer (inference only; weights are buffers). Build it with
     :meth:`from_weights` (Hugging Face parameter names) or :func:`anymla.layers.from_hf_v4`."""
@@ -94,10 +81,9 @@ class V4Attention(torch.nn.Module):
         def empty(*shape, dt=dtype):
             return torch.empty(*shape, dtype=dt, device=device)
 
-        self.register_buffer("w_q_a", empty(c.q_lora_rank, c.hidden_size))
+        self.register_buffer("w_qkv_a", empty(c.q_lora_rank + HEAD_DIM, c.hidden_size))  # [q_a_proj; kv_proj]
         self.register_buffer("q_a_norm", empty(c.q_lora_rank, dt=torch.float32))
         self.register_buffer("w_q_b", empty(h * HEAD_DIM, c.q_lora_rank))
-        self.register_buffer("w_kv", empty(HEAD_DIM, c.hidden_size))
         self.register_buffer("kv_norm", empty(HEAD_DIM, dt=torch.float32))
         # o_a: one [o_lora_rank, heads a group x 512] block per group, laid out for one bmm
         self.register_buffer("w_o_a_t", empty(c.o_groups, h * HEAD_DIM // c.o_groups, c.o_lora_rank))
@@ -110,7 +96,7 @@ class V4Attention(torch.nn.Module):
         self.register_buffer("rope_sin_back", -table.sin)  # the rotation by minus the angle (the output's rope)
         self.kernel_backend: Optional[str] = None
         self.attention_backend: Optional[str] = None
-        self._plans: dict = {}  # call signature -> (cache format, scheduling metadata, window offsets)
+        self._plans: dict = {}  # call signature -> (cache format, scheduling metadata, kernels, their launchers)
 
     @classmethod
     def from_weights(cls, config: V4Config, weights: Mapping[str, torch.Tensor], **kwargs) -> "V4Attention":
@@ -125,10 +111,9 @@ class V4Attention(torch.nn.Module):
             return weights[name].detach()
 
         with torch.no_grad():
-            layer.w_q_a.copy_(w("q_a_proj.weight"))
+            layer.w_qkv_a.copy_(torch.cat([w("q_a_proj.weight"), w("kv_proj.weight")]))
             layer.q_a_norm.copy_(w("q_a_norm.weight"))
             layer.w_q_b.copy_(w("q_b_proj.weight"))
-            layer.w_kv.copy_(w("kv_proj.weight"))
             layer.kv_norm.copy_(w("kv_norm.weight"))
             o_a = w("o_a_proj.weight").view(c.o_groups, c.o_lora_rank, -1)
             layer.w_o_a_t.copy_(o_a.transpose(1, 2))
@@ -158,32 +143,33 @@ class V4Attention(torch.nn.Module):
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(hidden_states, positions, kv_cache, block_table, residual)
-        fmt, sched, window, impl = plan
+        fmt, sched, impl, bound = plan
         c, h = self.config, self.config.num_heads
         b, s, _ = hidden_states.shape
-        t = b * s
+        t, r, eps = b * s, c.q_lora_rank, c.rms_norm_eps
         x = hidden_states.reshape(t, c.hidden_size)
         pos = positions.reshape(t)
         table = RopeTable(self.rope_cos, self.rope_sin, "interleaved")
 
-        q = F.linear(_rms_norm(F.linear(x, self.w_q_a), self.q_a_norm, c.rms_norm_eps), self.w_q_b)
-        q = _rope_tail(_rms_norm(q.view(t, h, HEAD_DIM), None, c.rms_norm_eps), pos[:, None], table)
-        kv = _rope_tail(_rms_norm(F.linear(x, self.w_kv), self.kv_norm, c.rms_norm_eps), pos, table)
-
-        page = kv_cache.shape[1]
-        own = run_sparse_slots(impl, positions[..., None], positions, block_table, page)
-        write_cache(kv_cache, kv, own.reshape(t), backend=impl)
-        # the window of each query: its position and the sliding_window - 1 before it (negative ones dropped)
-        slots = run_sparse_slots(impl, positions[..., None] - window, positions, block_table, page)
+        qkv = F.linear(x, self.w_qkv_a)
+        q_lat = run_v4_prolog(impl, fmt, qkv[:, r:], self.kv_norm, eps, qkv[:, :r], self.q_a_norm, pos, table,
+                              kv_cache, block_table, None if bound is None else bound.prolog)
+        # the query heads normed and roped, and each query's window (its position and the sliding_window - 1
+        # before it) as cache slots
+        q, slots = run_v4_heads(impl, F.linear(q_lat, self.w_q_b).view(t, h, HEAD_DIM), pos, table, eps,
+                                None if bound is None else bound.query,
+                                (block_table, c.sliding_window, kv_cache.shape[1]))
         o, _ = api.flash_mla_with_kvcache(q.view(b, s, h, HEAD_DIM), kv_cache, None, None, HEAD_DIM, sched,
                                           softmax_scale=c.softmax_scale, is_fp8_kvcache=fmt.is_quantized,
                                           indices=slots, attn_sink=self.sinks, backend=self.attention_backend)
         # K = V: the output's rope channels carry the keys' rotations; rotate them back by the query's angle
-        o = _rope_tail(o.reshape(t, h, HEAD_DIM), pos[:, None], RopeTable(self.rope_cos, self.rope_sin_back,
-                                                                          "interleaved"))
+        o, _ = run_v4_heads(impl, o.reshape(t, h, HEAD_DIM), pos, RopeTable(self.rope_cos, self.rope_sin_back,
+                                                                          "interleaved"), None,
+                            None if bound is None else bound.output)
         g = c.o_groups
-        grouped = torch.bmm(o.reshape(t, g, -1).transpose(0, 1), self.w_o_a_t)  # [groups, t, o_lora_rank]
-        mixed = grouped.transpose(0, 1).reshape(t, g * c.o_lora_rank)
+        mixed = torch.empty(t, g * c.o_lora_rank, dtype=x.dtype, device=x.device)
+        torch.bmm(o.view(t, g, -1).transpose(0, 1), self.w_o_a_t,
+                  out=mixed.view(t, g, c.o_lora_rank).transpose(0, 1))  # [groups, t, o_lora_rank] as [t, groups x r]
         out = F.linear(mixed, self.w_o_b) if residual is None else \
             torch.addmm(residual.reshape(t, c.hidden_size), mixed, self.w_o_b.t())
         return out.view(b, s, c.hidden_size)
@@ -217,5 +203,9 @@ class V4Attention(torch.nn.Module):
         if self.w_o_b.device != kv_cache.device:
             raise ValueError(f"kv_cache: expected a tensor on the layer's device {self.w_o_b.device}, got "
                              f"{kv_cache.device}")
-        window = torch.arange(c.sliding_window, device=kv_cache.device, dtype=positions.dtype)
-        return fmt, get_mla_metadata()[0], window, kernels.choose(kv_cache.device, self.kernel_backend)[0]
+        impl = kernels.choose(kv_cache.device, self.kernel_backend)[0]
+        bound = None
+        if impl == "triton":
+            from anymla.triton_kernels.cache_write import launch
+            bound = launch.v4_step_launchers(kv_cache.device)
+        return fmt, get_mla_metadata()[0], impl, bound

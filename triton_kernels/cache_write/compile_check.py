@@ -11,6 +11,7 @@ import argparse
 
 from ..compile_report import ARCHS, Arch, report
 from .kernel import cache_write_kernel, mla_prolog_kernel, q_assemble_kernel, sparse_slots_kernel
+from .v4_kernel import v4_heads_kernel, v4_prolog_kernel
 from .launch import GPU_TILE, writer_tile
 
 _BYTE = {"cache_ptr": "*u8"}
@@ -18,13 +19,13 @@ _BF16 = {"cache_ptr": "*bf16"}
 _IN = {"src_ptr": "*bf16", "slots_ptr": "*i64"}
 _PROLOG = {"kv_ptr": "*bf16", "kv_w_ptr": "*bf16", "q_ptr": "*bf16", "q_w_ptr": "*bf16", "q_out_ptr": "*bf16",
            "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i32", "bt_ptr": "*i32"}
-_FLOATS = ("kv_eps", "q_eps")
+_FLOATS = ("kv_eps", "q_eps", "eps")
 
 
 def jobs(arch: Arch = ARCHS["90"]):
     """(label, kernel, pointer types, constexprs, warps) of every shipped instantiation on ``arch`` (the layer's:
     prolog slots from the block table, the q assembly rotating q_pe only, with and without a sparse step's
-    slots; unit strides are constants, as
+    slots; V4's prolog in each of its formats and its heads kernel in both forms; unit strides are constants, as
     Triton's launcher specializes them)."""
     out, writer = [], writer_tile(arch.kind)
     for fmt, name, d in ((0, "BF16", 576), (1, "V32_FP8", 576), (2, "MODEL1_FP8", 512), (3, "V41_FP8", 512),
@@ -45,6 +46,16 @@ def jobs(arch: Arch = ARCHS["90"]):
                 {**query, "idx_ptr": "*i32", "bt_ptr": "*i32", "slots_ptr": "*i32"},
                 dict(D_LAT=512, ROPE_STYLE=0, COPY_NOPE=False, BLOCK_H=16, SLOTS=True, BLOCK_K=1024, idx_s_k=1,
                      bt_s_k=1), 4))
+    for fmt, name in ((0, "BF16"), (2, "MODEL1_FP8"), (3, "V41_FP8"), (4, "V41_FP4")):
+        ptrs = {**_PROLOG, "kv_w_ptr": "*fp32", "q_w_ptr": "*fp32", **(_BF16 if fmt == 0 else _BYTE)}
+        out.append((f"v4 prolog {name} q1024", v4_prolog_kernel, ptrs,
+                    dict(FMT=fmt, Q_RANK=1024, Q_BLOCK=1024, NATIVE_FP8=arch.native_fp8, BLOCK_T=GPU_TILE[0],
+                         bt_s_k=1), GPU_TILE[1]))
+    heads = {"x_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "bt_ptr": "*i32",
+             "slots_ptr": "*i32"}
+    out.append(("v4 query heads + window", v4_heads_kernel, heads,
+                dict(NORM=True, SLOTS=True, BLOCK_H=8, BLOCK_W=128, bt_s_k=1), 4))
+    out.append(("v4 output heads", v4_heads_kernel, heads, dict(NORM=False, SLOTS=False, BLOCK_H=16, BLOCK_W=1), 4))
     out.append(("sparse slots", sparse_slots_kernel, {"idx_ptr": "*i32", "pos_ptr": "*i64", "bt_ptr": "*i32",
                                                       "out_ptr": "*i32"}, dict(BLOCK_K=1024, idx_s_k=1, bt_s_k=1), 4))
     return out

@@ -312,26 +312,31 @@ def store_fp4_tiles(cache_ptr, row_at, scale_at, src, live, mask, NATIVE_FP8: tl
     """V4.1 FP4 of the rows at ``src [BT]`` (pointers; rows of ``live`` tokens load, of ``mask`` ones store):
     32 tiles of 16, each with the e4m3 scale ``e4m3(clamp(amax / 6, 2^-9, 448))`` (at ``scale_at + t``);
     element 2i goes to the low nibble of byte i (at ``row_at + i``), 2i + 1 to its high nibble."""
-    BT: tl.constexpr = src.shape[0]
-    tiles = tl.arange(0, 32)
     # [2, BT, 32, k]: element 16 t + 8 h + j of row r at [h, r, t, j], the two 16-byte halves of each tile
     # first, tokens next: Triton 3.7 then gives each lane one tile (its amax in registers) and the two warps
-    # their own tokens, with no layout conversion before the code stores (3.6 spreads a tile over two lanes)
-    col = tl.arange(0, 2)[:, None, None] * 8 + tiles[None, :, None] * 16
+    # their own tokens, with no layout conversion before the code stores (3.6 spreads a tile over two lanes).
+    # One 16-byte load a half tile.
+    col = tl.arange(0, 2)[:, None, None] * 8 + tl.arange(0, 32)[None, :, None] * 16
     at = src[None, :, None, None] + col[:, None, :, :]
-    ld = live[None, :, None, None]
-    if src.dtype.element_ty == tl.float32:
-        x = tl.load(at + tl.arange(0, 8)[None, None, None, :], mask=ld, other=0.0)
+    x = tl.load(at + tl.arange(0, 8)[None, None, None, :], mask=live[None, :, None, None], other=0.0)
+    store_fp4_values(cache_ptr, row_at, scale_at, x, mask, NATIVE_FP8)
+
+
+@triton.jit
+def store_fp4_values(cache_ptr, row_at, scale_at, x, mask, NATIVE_FP8: tl.constexpr):
+    """:func:`store_fp4_tiles` of the rows' values ``x [2, BT, 32, 8]`` (element 16 t + 8 h + j of row r at
+    ``[h, r, t, j]``; fp32, or the rows' bf16/fp16)."""
+    BT: tl.constexpr = x.shape[1]
+    tiles = tl.arange(0, 32)
+    if x.dtype == tl.float32:
         # NaN-propagating as torch's amax (a plain tl.max drops NaN on NVIDIA GPUs, keeps it in the interpreter)
         s_code, s = fp4_scales(tl.reduce(tl.reduce(tl.abs(x), 3, _max_nan), 0, _max_nan), NATIVE_FP8, True)
         lo, hi = tl.split(tl.reshape(e2m1_code(x, s[None, :, :, None]), (2, BT, 32, 4, 2)))
         # 2^23 + k has the bits 0x4B000000 + k (k < 2^23): the byte without a float-to-int conversion
         packed = (lo + 16.0 * hi + 8388608.0).to(tl.int32, bitcast=True).to(tl.uint8)
     else:
-        IS_BF16: tl.constexpr = src.dtype.element_ty == tl.bfloat16
-        # one 16-byte load a half tile, its elements (i, i + 4) paired: q_i's two codes land 2 bytes apart in
-        # the half tile's word
-        x = tl.load(at + tl.arange(0, 8)[None, None, None, :], mask=ld, other=0.0)
+        IS_BF16: tl.constexpr = x.dtype == tl.bfloat16
+        # a half tile's elements (i, i + 4) paired: q_i's two codes land 2 bytes apart in the half tile's word
         x_lo, x_hi = tl.split(tl.permute(tl.reshape(x, (2, BT, 32, 2, 4)), (0, 1, 2, 4, 3)))
         q = _pair_lanes(x_lo, x_hi, NATIVE_FP8)
         qe, qo = tl.split(tl.reshape(q, (2, BT, 32, 2, 2)))
@@ -486,11 +491,17 @@ def rope_index(ROPE_STYLE: tl.constexpr):
 
 
 @triton.jit
+def inv_rms(x, eps, N: tl.constexpr):
+    """``rsqrt(mean(x^2) + eps)`` of each row of ``x [R, N]`` (fp32), correctly rounded."""
+    var = tl.sum(x * x, axis=1) / N
+    return tl.math.div_rn(tl.full(var.shape, 1.0, tl.float32), tl.sqrt_rn(var + eps))
+
+
+@triton.jit
 def rms_normed(x, w, eps, N: tl.constexpr, OUT_TY: tl.constexpr):
     """``w * (x * rsqrt(mean(x^2) + eps)).to(OUT_TY)`` rounded to OUT_TY, as the model's RMSNorm computes it
     (fp32 statistics, the normalized value cast to the activation dtype before the weight multiplies)."""
-    var = tl.sum(x * x, axis=1) / N
-    inv = tl.math.div_rn(tl.full(var.shape, 1.0, tl.float32), tl.sqrt_rn(var + eps))
+    inv = inv_rms(x, eps, N)
     h = round_to(x * inv[:, None], OUT_TY).to(tl.float32)
     return round_to(w[None, :] * h, OUT_TY).to(tl.float32)
 

@@ -21,6 +21,7 @@ from .. import runtime
 from ..launcher import Launcher
 from .kernel import (ROPE_INTERLEAVED, ROPE_NEOX, cache_write_kernel, mla_prolog_kernel, q_assemble_kernel,
                      sparse_slots_kernel)
+from .v4_kernel import v4_heads_kernel, v4_prolog_kernel
 
 _FMT_CODE = {KVCacheFormat.BF16: 0, KVCacheFormat.V32_FP8: 1, KVCacheFormat.MODEL1_FP8: 2,
              KVCacheFormat.V41_FP8: 3, KVCacheFormat.V41_FP4: 4}
@@ -80,6 +81,21 @@ def step_launchers(device: torch.device) -> StepLaunchers:
     """Fresh launchers for one call signature of a layer on ``device`` (bound by its first call)."""
     return StepLaunchers(Launcher(mla_prolog_kernel, num_warps=_tile(device)[1]),
                          Launcher(q_assemble_kernel, num_warps=4))
+
+
+class V4StepLaunchers(NamedTuple):
+    """Launchers of a V4 layer call signature's kernels: the prolog, the query heads' norm and RoPE (with the
+    window slots) and the output heads' RoPE back (:func:`v4_prolog`, :func:`v4_heads`)."""
+
+    prolog: Launcher
+    query: Launcher
+    output: Launcher
+
+
+def v4_step_launchers(device: torch.device) -> V4StepLaunchers:
+    """Fresh launchers for one call signature of a V4 layer on ``device`` (bound by its first call)."""
+    return V4StepLaunchers(Launcher(v4_prolog_kernel, num_warps=_tile(device)[1]),
+                           Launcher(v4_heads_kernel, num_warps=4), Launcher(v4_heads_kernel, num_warps=4))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -218,3 +234,69 @@ def sparse_slots(indices: torch.Tensor, positions: torch.Tensor, block_table: to
             [indices, indices.stride(0), indices.stride(1), indices.stride(2), positions, positions.stride(0),
              positions.stride(1), block_table, *block_table.stride(), out, s, topk, block_table.shape[1],
              page_size, block_k], 4, out.device)
+
+
+def v4_prolog(kv: torch.Tensor, kv_weight: torch.Tensor, eps: float, q_lat: torch.Tensor, q_weight: torch.Tensor,
+              q_out: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              block_table: torch.Tensor, cache: torch.Tensor, fmt: KVCacheFormat,
+              bound: Optional[Launcher] = None) -> None:
+    """V4's prolog: ``kv [T, 512]`` normed, roped and written into ``cache`` at the block table's slots of
+    ``positions [T]``; ``q_lat [T, q_rank]`` normed into ``q_out`` (weights fp32, last dims contiguous)."""
+    n = kv.shape[0]
+    if n == 0:
+        return
+    bt, warps = _tile(cache.device)
+
+    def full():
+        ptr, capacity, page, sb, st = _cache_geometry(cache, fmt)
+        q_rank = q_lat.shape[1]
+        return [kv, kv.stride(0), kv_weight, eps, q_lat, q_lat.stride(0), q_weight, q_out, q_out.stride(0),
+                positions, cos, sin, cos.stride(0), block_table, *block_table.stride(), n // block_table.shape[0],
+                block_table.shape[1], ptr, n, capacity, page, sb, st, _FMT_CODE[fmt], q_rank, _pow2(q_rank),
+                _native_fp8(cache.device), bt]
+
+    _run(v4_prolog_kernel, (_cdiv(n, bt),),
+         (kv, kv_weight, eps, q_lat, q_weight, q_out, positions, cos, sin, block_table, cache), full, warps,
+         cache.device, bound)
+
+
+class WindowSlots(NamedTuple):
+    """The sliding-window slots a :func:`v4_heads` launch writes beside the heads: for each of the ``b * s_q``
+    queries the block table's slots of its position and the ``window - 1`` before it, into ``out [b, s_q,
+    window]`` int32 (-1 where negative or past ``block_table [b, max_blocks]``)."""
+
+    block_table: torch.Tensor
+    s_q: int
+    window: int
+    page_size: int
+    out: torch.Tensor
+
+
+def _window_args(slots: Optional[WindowSlots]) -> list:
+    if slots is None:
+        return [None, 0, 0, None, 1, 0, 0, 1]
+    bt = slots.block_table
+    return [bt, *bt.stride(), slots.out, slots.s_q, slots.window, bt.shape[1], slots.page_size]
+
+
+def v4_heads(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: Optional[float],
+             bound: Optional[Launcher] = None, slots: Optional[WindowSlots] = None) -> None:
+    """V4's heads ``x [T, h, 512]`` (last dim contiguous) in place: RMS-normed without a weight where ``eps`` is
+    given, then the trailing 64 channels rotated at ``positions [T]`` by the table ``cos`` / ``sin``;
+    ``slots``: the queries' window slots, written by the same launch."""
+    n, h, _ = x.shape
+    if n == 0:
+        return
+    # the norm holds whole heads: 8 a program keep it at 72-80 registers (sm_80, sm_90; 16 take 163-166)
+    block_h = min(16 if eps is None else 8, _pow2(h))
+    block_w = 1 if slots is None else min(1024, _pow2(slots.window))
+    slot_blocks = 0 if slots is None else _cdiv(slots.window, block_w)
+    norm_eps = _NO_EPS if eps is None else eps
+
+    def full():
+        return [x, x.stride(0), x.stride(1), h, norm_eps, positions, cos, sin, cos.stride(0), *_window_args(slots),
+                eps is not None, slots is not None, block_h, block_w]
+
+    window_values = (None, None) if slots is None else (slots.block_table, slots.out)
+    _run(v4_heads_kernel, (n, _cdiv(h, block_h) + slot_blocks), (x, norm_eps, positions, cos, sin, *window_values),
+         full, 4, x.device, bound)
