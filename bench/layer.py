@@ -10,7 +10,9 @@ Layer rows, per head count and cache (bf16: dense decoding; V3.2 FP8: DSA with t
 (:class:`anymla.layers.MLAAttention`), each of its parts timed alone (its GEMMs and bmms as torch runs them,
 and the attention call), their sum, and the same math as plain eager torch ops
 (:func:`anymla.layers.mla_forward_eager`), and the parts called one after another as one call ("parts in
-sequence": eagerly, what those ops cost the host in a mixed sequence). Writer rows:
+sequence": eagerly, what those ops cost the host in a mixed sequence). V4 rows (:mod:`.layer_v4`): one decode
+step of a V4 sliding-window layer with its fused kernels and with the model code's torch ops around the same
+GEMMs and attention (its ``eager_torch_speedup`` columns: how much faster the kernels make the step). Writer rows:
 :func:`anymla.layers.write_cache` at 64k tokens per format, in bytes read + written per second against the
 same run's copy bandwidth. Everything is timed both
 as eager launches and as a CUDA-graph replay (where capturable), after a correctness check, with the host's
@@ -43,6 +45,7 @@ from anymla.layers import (MLAAttention, MLAConfig, explain_write_cache, mla_for
                            write_cache_reference)
 
 from .ceilings import measure_ceilings
+from .layer_v4 import bench_v4_layer, v4_cases
 from .machine import describe
 from .timing import Timer
 
@@ -392,6 +395,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     rows = []
     for case in () if args.writers_only else layer_cases(args.small):
         rows += bench_layer(case, timer, device)
+    for case in () if args.writers_only else v4_cases(args.small):
+        rows += bench_v4_layer(case, timer, device, time_both)
     tokens = args.writer_tokens or (256 if args.small else 65536)
     for fmt in formats:
         rows += bench_writer(fmt, tokens, timer, device, ceilings.copy_gbps, tiles)

@@ -420,7 +420,7 @@ def test_bench_layer_runs_small(tmp_path):
     rows = bench_layer.main(["--small", "--reps", "1", "--writer-tokens", "64", "--out", str(tmp_path)])
     assert (tmp_path / "layer.csv").exists()
     assert {r["component"] for r in rows} >= {"layer", "sum of parts", "parts in sequence", "eager torch",
-                                              "write_cache", "attention"}
+                                              "write_cache", "attention", "v4 layer", "v4 layer, torch ops"}
     assert all("FAILED" not in r["note"] and "DIFFER" not in r["note"] for r in rows)
     from anymla.layers import kernels
     if kernels.choose(torch.device("cpu"))[0] == "triton":
