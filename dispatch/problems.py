@@ -90,7 +90,7 @@ def _check_d_qk(name: str, d: int) -> None:
         raise ValueError(f"{name}: the last dim (d_qk) must be 576 (V3/V3.2) or 512 (V4 family), got {d}")
 
 
-def _first_bad(name: str, bad: torch.Tensor, values: torch.Tensor, expected: str) -> None:
+def first_bad(name: str, bad: torch.Tensor, values: torch.Tensor, expected: str) -> None:
     """Raise naming the first element of ``values`` where ``bad`` holds (debug checks: this synchronizes)."""
     where = bad.nonzero()
     if where.numel():
@@ -176,7 +176,7 @@ class SparsePrefill(_Problem):
     def check_data(self) -> None:
         """Debug mode: every index is -1 or a row of kv (others are skipped, but usually a bug)."""
         s_kv = self.kv.shape[0]
-        _first_bad("indices", (self.indices < -1) | (self.indices >= s_kv), self.indices, f"-1 or in [0, {s_kv})")
+        first_bad("indices", (self.indices < -1) | (self.indices >= s_kv), self.indices, f"-1 or in [0, {s_kv})")
 
 
 @dataclass
@@ -281,7 +281,7 @@ class SparseDecode(_Problem):
                                  ("extra_indices_in_kvcache", self.extra_indices, self.extra_k_cache)):
             if idx is not None:
                 slots = cache.shape[0] * cache.shape[1]
-                _first_bad(name, (idx < -1) | (idx >= slots), idx, f"-1 or a slot in [0, {slots})")
+                first_bad(name, (idx < -1) | (idx >= slots), idx, f"-1 or a slot in [0, {slots})")
 
     def sched_config(self) -> FlashMLASchedMeta.Config:
         """The FlashMLA configuration a scheduling metadata object is bound to (fixed by the signature)."""
@@ -369,10 +369,10 @@ class DenseDecode(_Problem):
         num_blocks, page = self.k_cache.shape[:2]
         lens, table = self.cache_seqlens, self.block_table
         capacity = table.shape[1] * page
-        _first_bad("cache_seqlens", (lens < 0) | (lens > capacity), lens,
+        first_bad("cache_seqlens", (lens < 0) | (lens > capacity), lens,
                    f"a length in [0, {capacity}] (block_table has {table.shape[1]} blocks of {page} per row)")
         used = torch.arange(table.shape[1], device=table.device)[None, :] * page < lens[:, None]
-        _first_bad("block_table", used & ((table < 0) | (table >= num_blocks)), table,
+        first_bad("block_table", used & ((table < 0) | (table >= num_blocks)), table,
                    f"a block in [0, {num_blocks}) where the row's length reaches it")
 
     def sched_config(self) -> FlashMLASchedMeta.Config:

@@ -256,6 +256,48 @@ def test_kernels_compile_for_hopper_and_ampere_without_spills():
     assert len(lines) == 32 and all(" spills    0 B" in ln and "fits" in ln for ln in lines), run.stdout
 
 
+def _fenced_table() -> RopeTable:
+    """``_table("interleaved")`` between NaN rows: a kernel reading outside its 300 rows gets NaN."""
+    t = _table("interleaved")
+
+    def fenced(x):
+        wide = torch.full((x.shape[0] + 16, x.shape[1]), float("nan"), device=DEVICE)
+        wide[8:-8] = x
+        return wide[8:-8]
+    return RopeTable(fenced(t.cos), fenced(t.sin), t.style)
+
+
+@needs_triton
+def test_the_layer_kernels_read_the_rope_table_only_at_its_rows():
+    """Positions outside the RoPE table (-3, 300, 305 beside valid ones: invalid input) never make a kernel read
+    past the table (NaN rows fence it): every output stays finite. With the debug checks on, they raise."""
+    import anymla
+    from anymla.layers.v4_kernels import run_v4_heads, run_v4_prolog
+    table = _fenced_table()
+    pos = torch.tensor([5, -3, 300, 17, 305, 299, 0, 42, 8, 9], device=DEVICE)
+    g = torch.Generator().manual_seed(13)
+    kv_a = torch.randn(10, 576, generator=g).bfloat16().to(DEVICE)
+    cache = _empty_cache(F.V32_FP8, 4, 4, 576)
+    slots = torch.arange(10, device=DEVICE)
+    mla_prolog(kv_a, torch.ones(512, dtype=torch.bfloat16, device=DEVICE), 1e-6, pos, table, cache, slots)
+    assert torch.isfinite(kvcache.gather_rows(cache, slots, F.V32_FP8).float()).all()
+    q = torch.randn(10, 4, 576, generator=g).bfloat16().to(DEVICE)
+    assert torch.isfinite(assemble_q(None, q[..., 512:], pos, table, out=q).float()).all()
+    kv, kv_w, q_lat, q_w, _, bt = _v4_step_inputs(13)
+    v4_cache = _empty_cache(F.BF16, 8, 4, 512)
+    q_out = run_v4_prolog("triton", F.BF16, kv, kv_w, 1e-6, q_lat, q_w, pos, table, v4_cache, bt)
+    heads = torch.randn(10, 4, 512, generator=g).bfloat16().to(DEVICE)
+    for eps in (1e-6, None):
+        assert torch.isfinite(run_v4_heads("triton", heads, pos, table, eps)[0].float()).all()
+    assert torch.isfinite(q_out.float()).all()
+    written = kvcache.cache_slots(pos.view(2, 5).clamp(0, 15), bt, 4).view(-1)[(pos >= 0) & (pos < 16)]
+    assert torch.isfinite(kvcache.gather_rows(v4_cache, written, F.BF16).float()).all()
+    with anymla.debug_checks(), pytest.raises(ValueError, match=r"positions: element \(1,\) is -3"):
+        mla_prolog(kv_a, torch.ones(512, dtype=torch.bfloat16, device=DEVICE), 1e-6, pos, table, cache, slots)
+    with anymla.debug_checks(), pytest.raises(ValueError, match=r"positions: element \(2,\) is 300.*\[0, 300\)"):
+        assemble_q(None, q[..., 512:], pos.clamp(min=0), table, out=q)
+
+
 V4_FORMATS = [F.BF16, F.MODEL1_FP8, F.V41_FP8, F.V41_FP4]
 
 

@@ -513,6 +513,21 @@ def _v4_step_inputs(fmt, seed: int = 0) -> dict:
                 residual=torch.randn(2, 1, 32, generator=g).bfloat16())
 
 
+def test_layers_debug_checks_name_a_position_past_the_rope_table():
+    """Positions index the layers' RoPE tables: with the debug checks on, one outside the table raises naming
+    it (off, the kernels read the table only at its rows: tests/test_cache_write.py)."""
+    import anymla
+    v4 = _small_v4_layer()
+    inp = _v4_step_inputs(F.BF16)
+    with anymla.debug_checks(), pytest.raises(ValueError, match=r"positions: element \(1, 0\) is 4096"):
+        v4(**{**inp, "positions": torch.tensor([[5], [4096]])})
+    v3 = _small_layer(seed=4)
+    inp = _decode_inputs(v3, F.BF16)
+    rows = v3.rope_cos.shape[0]
+    with anymla.debug_checks(), pytest.raises(ValueError, match=f"positions: element \\(0, 0\\) is -1.*{rows}"):
+        v3(**{**inp, "positions": torch.full_like(inp["positions"], -1)})
+
+
 @pytest.mark.parametrize("fmt", [F.BF16, F.V41_FP4], ids=lambda f: f.name)
 def test_v4_step_is_four_gemms_and_three_kernels(fmt):
     """A V4 step on the Triton tier: its GEMMs ([q_a | kv] in one, q_b, the grouped o_a bmm, o_b with the

@@ -18,12 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from .. import api
+from ..debug import debug_enabled
 from ..kvcache import KVCacheFormat
 from ..metadata import FlashMLASchedMeta, get_mla_metadata
 from . import kernels
 from .config import MLAConfig
 from .prolog import check_prolog_cache, run_assemble_q, run_prolog
-from .rope import RopeTable
+from .rope import RopeTable, check_positions
 from .slots import check_block_table, check_slot_inputs
 
 if TYPE_CHECKING:
@@ -161,6 +162,8 @@ class MLAAttention(torch.nn.Module):
         x = hidden_states.reshape(t, c.hidden_size)
         pos = positions.reshape(t)
         rope = self.rope
+        if debug_enabled():
+            check_positions(positions, rope)
 
         a = F.linear(x, self.w_qkv_a, self.b_qkv_a)
         r = c.q_lora_rank or 0

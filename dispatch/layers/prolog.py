@@ -12,10 +12,11 @@ from typing import Optional
 
 import torch
 
+from ..debug import debug_enabled
 from ..kvcache import KVCacheFormat, detect_format
 from . import kernels
 from .cache_write import _write_reference, check_slot_count
-from .rope import RopeTable, apply_rope
+from .rope import RopeTable, apply_rope, check_positions
 from .slots import check_block_table, sparse_slots_reference
 
 __all__ = ["mla_prolog", "mla_prolog_reference", "assemble_q", "assemble_q_reference", "rms_norm"]
@@ -88,6 +89,8 @@ def mla_prolog(kv_a: torch.Tensor, kv_norm_weight: torch.Tensor, kv_eps: float, 
         the normalized q latent (``q_lat``'s shape and dtype), or None without ``q_lat``.
     """
     fmt = _check(kv_a, positions, slots, cache, rope, q_lat, q_norm_weight, block_table)
+    if debug_enabled():
+        check_positions(positions, rope)
     name, _ = kernels.choose(cache.device, backend)
     return run_prolog(name, fmt, kv_a, kv_norm_weight, kv_eps, positions, rope, cache, slots, block_table, q_lat,
                       q_norm_weight, q_eps)
@@ -153,6 +156,8 @@ def assemble_q(q_nope_abs: Optional[torch.Tensor], q_pe: torch.Tensor, positions
     ``q_nope_abs`` None: ``out``'s first 512 columns hold the absorbed q already (the bmm wrote them there,
     ``torch.bmm(q_nope, w_uk, out=out[..., :512].transpose(0, 1))``) and only q_pe is rotated into the rest."""
     _check_q(q_nope_abs, q_pe, positions, out)
+    if debug_enabled():
+        check_positions(positions, rope)
     if out is None:
         h, n, _ = q_nope_abs.shape
         out = torch.empty(n, h, 576, dtype=q_nope_abs.dtype, device=q_nope_abs.device)

@@ -100,3 +100,11 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, table: RopeTable) -> to
     out[..., a_at] = a * cos - b * sin
     out[..., b_at] = b * cos + a * sin
     return out
+
+
+def check_positions(positions: torch.Tensor, table: RopeTable, name: str = "positions") -> None:
+    """A debug check (it reads ``positions``, :func:`anymla.debug_checks`): every position is a row of the
+    table (``[0, max_positions)``). Off, the kernels read the table only at such rows."""
+    from ..problems import first_bad
+    first_bad(name, (positions < 0) | (positions >= table.cos.shape[0]), positions,
+              f"a token position in [0, {table.cos.shape[0]}) (the layer's RoPE table: max_positions)")

@@ -26,11 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from .. import api
+from ..debug import debug_enabled
 from ..kvcache import KVCacheFormat, detect_format
 from ..metadata import get_mla_metadata
 from . import kernels
 from .cache_write import check_slot_count
-from .rope import RopeTable
+from .rope import RopeTable, check_positions
 from .slots import check_block_table
 from .v4_kernels import HEAD_DIM, ROPE, run_v4_heads, run_v4_prolog
 
@@ -150,6 +151,8 @@ class V4Attention(torch.nn.Module):
         x = hidden_states.reshape(t, c.hidden_size)
         pos = positions.reshape(t)
         table = RopeTable(self.rope_cos, self.rope_sin, "interleaved")
+        if debug_enabled():
+            check_positions(positions, table)
 
         qkv = F.linear(x, self.w_qkv_a)
         q_lat = run_v4_prolog(impl, fmt, qkv[:, r:], self.kv_norm, eps, qkv[:, :r], self.q_a_norm, pos, table,

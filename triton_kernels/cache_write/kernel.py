@@ -475,6 +475,13 @@ def cache_write_kernel(src_ptr, src_stride, slots_ptr, cache_ptr, n_tokens, capa
 
 
 @triton.jit
+def in_table(pos, n_positions):
+    """Whether positions are rows of the cos / sin table (``n_positions`` rows). The table is read only there: a
+    position outside it (invalid input, which the layers' debug checks raise on) gets zeros in its rope channels."""
+    return (pos >= 0) & (pos < n_positions)
+
+
+@triton.jit
 def rope_pairs(a, b, cos, sin):
     """Rotate the pairs (a, b) by the angles whose cos / sin are given (all [.., 32] fp32)."""
     return a * cos - b * sin, b * cos + a * sin
@@ -509,7 +516,7 @@ def rms_normed(x, w, eps, N: tl.constexpr, OUT_TY: tl.constexpr):
 @triton.jit
 def mla_prolog_kernel(kv_ptr, kv_stride, kv_w_ptr, kv_eps,
                       q_ptr, q_stride, q_w_ptr, q_eps, q_out_ptr, q_out_stride,
-                      pos_ptr, cos_ptr, sin_ptr, table_stride,
+                      pos_ptr, cos_ptr, sin_ptr, table_stride, n_positions,
                       slots_ptr, bt_ptr, bt_s_b, bt_s_k, tokens_per_req, max_blocks,
                       cache_ptr, n_tokens, capacity, page_size, block_stride, token_stride,
                       FMT: tl.constexpr, ROPE_STYLE: tl.constexpr, Q_RANK: tl.constexpr,
@@ -536,8 +543,9 @@ def mla_prolog_kernel(kv_ptr, kv_stride, kv_w_ptr, kv_eps,
     ia, ib = rope_index(ROPE_STYLE)
     pos64 = pos.to(tl.int64)
     i = tl.arange(0, 32)
-    cos = tl.load(cos_ptr + pos64[:, None] * table_stride + i[None, :], mask=live[:, None], other=0.0)
-    sin = tl.load(sin_ptr + pos64[:, None] * table_stride + i[None, :], mask=live[:, None], other=0.0)
+    at = (live & in_table(pos, n_positions))[:, None]
+    cos = tl.load(cos_ptr + pos64[:, None] * table_stride + i[None, :], mask=at, other=0.0)
+    sin = tl.load(sin_ptr + pos64[:, None] * table_stride + i[None, :], mask=at, other=0.0)
     a = tl.load(src[:, None] + 512 + ia[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     b = tl.load(src[:, None] + 512 + ib[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     ra, rb = rope_pairs(a, b, cos, sin)
@@ -571,7 +579,7 @@ def mla_prolog_kernel(kv_ptr, kv_stride, kv_w_ptr, kv_eps,
 
 @triton.jit
 def _assemble_heads(qn_ptr, qn_s_h, qn_s_t, qpe_ptr, qpe_s_t, qpe_s_h, pos_ptr, cos_ptr, sin_ptr, table_stride,
-                    out_ptr, out_s_t, out_s_h, n_heads, t, head_block,
+                    n_positions, out_ptr, out_s_t, out_s_h, n_heads, t, head_block,
                     D_LAT: tl.constexpr, ROPE_STYLE: tl.constexpr, COPY_NOPE: tl.constexpr, BLOCK_H: tl.constexpr):
     """Token ``t``'s query for the heads of ``head_block`` (see :func:`q_assemble_kernel`)."""
     h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -586,8 +594,9 @@ def _assemble_heads(qn_ptr, qn_s_h, qn_s_t, qpe_ptr, qpe_s_t, qpe_s_h, pos_ptr, 
     ia, ib = rope_index(ROPE_STYLE)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     i = tl.arange(0, 32)
-    cos = tl.load(cos_ptr + pos * table_stride + i)[None, :]
-    sin = tl.load(sin_ptr + pos * table_stride + i)[None, :]
+    at = in_table(pos, n_positions)
+    cos = tl.load(cos_ptr + pos * table_stride + i, mask=at, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + pos * table_stride + i, mask=at, other=0.0)[None, :]
     src = qpe_ptr + t * qpe_s_t + h64[:, None] * qpe_s_h
     a = tl.load(src + ia[None, :], mask=hm, other=0.0).to(tl.float32)
     b = tl.load(src + ib[None, :], mask=hm, other=0.0).to(tl.float32)
@@ -613,7 +622,7 @@ def _query_slots(idx_ptr, idx_s_b, idx_s_s, idx_s_k, pos_ptr, pos_s_b, pos_s_s, 
 
 @triton.jit
 def q_assemble_kernel(qn_ptr, qn_s_h, qn_s_t, qpe_ptr, qpe_s_t, qpe_s_h,
-                      pos_ptr, cos_ptr, sin_ptr, table_stride,
+                      pos_ptr, cos_ptr, sin_ptr, table_stride, n_positions,
                       out_ptr, out_s_t, out_s_h, n_heads,
                       idx_ptr, idx_s_b, idx_s_s, idx_s_k, bt_ptr, bt_s_b, bt_s_k, slots_ptr, s_q, topk, max_blocks,
                       page_size,
@@ -635,11 +644,12 @@ def q_assemble_kernel(qn_ptr, qn_s_h, qn_s_t, qpe_ptr, qpe_s_t, qpe_s_h,
                          slots_ptr, tl.program_id(0), block - head_blocks, s_q, topk, max_blocks, page_size, BLOCK_K)
         else:
             _assemble_heads(qn_ptr, qn_s_h, qn_s_t, qpe_ptr, qpe_s_t, qpe_s_h, pos_ptr, cos_ptr, sin_ptr,
-                            table_stride, out_ptr, out_s_t, out_s_h, n_heads, t, block,
+                            table_stride, n_positions, out_ptr, out_s_t, out_s_h, n_heads, t, block,
                             D_LAT, ROPE_STYLE, COPY_NOPE, BLOCK_H)
     else:
         _assemble_heads(qn_ptr, qn_s_h, qn_s_t, qpe_ptr, qpe_s_t, qpe_s_h, pos_ptr, cos_ptr, sin_ptr, table_stride,
-                        out_ptr, out_s_t, out_s_h, n_heads, t, block, D_LAT, ROPE_STYLE, COPY_NOPE, BLOCK_H)
+                        n_positions, out_ptr, out_s_t, out_s_h, n_heads, t, block, D_LAT, ROPE_STYLE, COPY_NOPE,
+                        BLOCK_H)
 
 
 @triton.jit

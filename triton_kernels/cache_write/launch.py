@@ -166,8 +166,8 @@ def mla_prolog(kv_a: torch.Tensor, kv_weight: torch.Tensor, kv_eps: float, q_lat
                                                                                 q_eps, q_out, q_out.stride(0)]
         table_args = ([None, block_table, *block_table.stride(), n // block_table.shape[0], block_table.shape[1]]
                       if from_table else [slots, None, 0, 0, 1, 0])
-        return [kv_a, kv_a.stride(0), kv_weight, kv_eps, *q_args, positions, cos, sin, cos.stride(0), *table_args,
-                ptr, n, capacity, page, sb, st, _FMT_CODE[fmt], _ROPE_CODE[rope_style], q_rank,
+        return [kv_a, kv_a.stride(0), kv_weight, kv_eps, *q_args, positions, cos, sin, cos.stride(0), cos.shape[0],
+                *table_args, ptr, n, capacity, page, sb, st, _FMT_CODE[fmt], _ROPE_CODE[rope_style], q_rank,
                 _pow2(max(q_rank, 1)), from_table, _native_fp8(cache.device), bt]
 
     _run(mla_prolog_kernel, (_cdiv(n, bt),), values, full, warps, cache.device, bound)
@@ -214,7 +214,7 @@ def assemble_q(q_nope_abs, q_pe: torch.Tensor, positions: torch.Tensor, cos: tor
         copy = q_nope_abs is not None
         qn = [q_nope_abs, q_nope_abs.stride(0), q_nope_abs.stride(1)] if copy else [None, 0, 0]
         block_k = 1 if slots is None else _slot_block(slots.indices.shape[2])
-        return [*qn, q_pe, q_pe.stride(0), q_pe.stride(1), positions, cos, sin, cos.stride(0),
+        return [*qn, q_pe, q_pe.stride(0), q_pe.stride(1), positions, cos, sin, cos.stride(0), cos.shape[0],
                 out, out.stride(0), out.stride(1), h, *_slot_args(slots), d - 64, _ROPE_CODE[rope_style], copy,
                 block_h, slots is not None, block_k]
 
@@ -251,9 +251,9 @@ def v4_prolog(kv: torch.Tensor, kv_weight: torch.Tensor, eps: float, q_lat: torc
         ptr, capacity, page, sb, st = _cache_geometry(cache, fmt)
         q_rank = q_lat.shape[1]
         return [kv, kv.stride(0), kv_weight, eps, q_lat, q_lat.stride(0), q_weight, q_out, q_out.stride(0),
-                positions, cos, sin, cos.stride(0), block_table, *block_table.stride(), n // block_table.shape[0],
-                block_table.shape[1], ptr, n, capacity, page, sb, st, _FMT_CODE[fmt], q_rank, _pow2(q_rank),
-                _native_fp8(cache.device), bt]
+                positions, cos, sin, cos.stride(0), cos.shape[0], block_table, *block_table.stride(),
+                n // block_table.shape[0], block_table.shape[1], ptr, n, capacity, page, sb, st, _FMT_CODE[fmt],
+                q_rank, _pow2(q_rank), _native_fp8(cache.device), bt]
 
     _run(v4_prolog_kernel, (_cdiv(n, bt),),
          (kv, kv_weight, eps, q_lat, q_weight, q_out, positions, cos, sin, block_table, cache), full, warps,
@@ -294,7 +294,8 @@ def v4_heads(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: t
     norm_eps = _NO_EPS if eps is None else eps
 
     def full():
-        return [x, x.stride(0), x.stride(1), h, norm_eps, positions, cos, sin, cos.stride(0), *_window_args(slots),
+        return [x, x.stride(0), x.stride(1), h, norm_eps, positions, cos, sin, cos.stride(0), cos.shape[0],
+                *_window_args(slots),
                 eps is not None, slots is not None, block_h, block_w]
 
     window_values = (None, None) if slots is None else (slots.block_table, slots.out)

@@ -10,29 +10,30 @@ are the torch ops' of :mod:`anymla.layers.v4` and its cache bytes those of the w
 import triton
 import triton.language as tl
 
-from .kernel import (FMT_BF16, FMT_MODEL1_FP8, FMT_V41_FP4, FMT_V41_FP8, bf16_bits, inv_rms, rope_pairs, round_to,
-                     slot_addresses, store_bytes_le, store_fp4_values, store_fp8_tiles, table_slots)
+from .kernel import (FMT_BF16, FMT_MODEL1_FP8, FMT_V41_FP4, FMT_V41_FP8, bf16_bits, in_table, inv_rms, rope_pairs,
+                     round_to, slot_addresses, store_bytes_le, store_fp4_values, store_fp8_tiles, table_slots)
 
 ROPE_PAIRS = tl.constexpr(32)   # the trailing 64 channels: 32 rotated pairs
 FIRST_ROPE_PAIR = tl.constexpr(224)  # of the 256 pairs of a 512-wide row
 
 
 @triton.jit
-def _rotated_tail(a, b, pos, cos_ptr, sin_ptr, table_stride, live):
+def _rotated_tail(a, b, pos, cos_ptr, sin_ptr, table_stride, n_positions, live):
     """The pairs ``(a, b) [R, 256]`` (fp32; pair p = channels 2p, 2p + 1 of R rows at positions ``pos [R]``,
     or of rows all at ``pos [1]``; ``live`` of pos's shape) with the trailing 32 rotated by their angles, the
     rest as they are."""
     p = tl.arange(0, 256)
     roped = p >= FIRST_ROPE_PAIR
     at = pos.to(tl.int64)[:, None] * table_stride + (p - FIRST_ROPE_PAIR)[None, :]
-    m = live[:, None] & roped[None, :]
+    m = (live & in_table(pos, n_positions))[:, None] & roped[None, :]
     ra, rb = rope_pairs(a, b, tl.load(cos_ptr + at, mask=m, other=0.0), tl.load(sin_ptr + at, mask=m, other=0.0))
     return tl.where(roped[None, :], ra, a), tl.where(roped[None, :], rb, b)
 
 
 @triton.jit
 def v4_prolog_kernel(kv_ptr, kv_stride, kv_w_ptr, eps, q_ptr, q_stride, q_w_ptr, q_out_ptr, q_out_stride,
-                     pos_ptr, cos_ptr, sin_ptr, table_stride, bt_ptr, bt_s_b, bt_s_k, tokens_per_req, max_blocks,
+                     pos_ptr, cos_ptr, sin_ptr, table_stride, n_positions, bt_ptr, bt_s_b, bt_s_k, tokens_per_req,
+                     max_blocks,
                      cache_ptr, n_tokens, capacity, page_size, block_stride, token_stride,
                      FMT: tl.constexpr, Q_RANK: tl.constexpr, Q_BLOCK: tl.constexpr, NATIVE_FP8: tl.constexpr,
                      BLOCK_T: tl.constexpr):
@@ -50,7 +51,7 @@ def v4_prolog_kernel(kv_ptr, kv_stride, kv_w_ptr, eps, q_ptr, q_stride, q_w_ptr,
     w = tl.load(kv_w_ptr + j).to(tl.float32)
     row = round_to(w[None, :] * (x * inv_rms(x, eps, 512)[:, None]), OUT_TY).to(tl.float32)
     a, b = tl.split(tl.reshape(row, (BLOCK_T, 256, 2)))
-    a, b = _rotated_tail(a, b, pos, cos_ptr, sin_ptr, table_stride, live)
+    a, b = _rotated_tail(a, b, pos, cos_ptr, sin_ptr, table_stride, n_positions, live)
     a = round_to(a, OUT_TY).to(tl.float32)
     b = round_to(b, OUT_TY).to(tl.float32)
 
@@ -91,7 +92,7 @@ def v4_prolog_kernel(kv_ptr, kv_stride, kv_w_ptr, eps, q_ptr, q_stride, q_w_ptr,
 
 
 @triton.jit
-def _heads(x_ptr, x_s_t, x_s_h, n_heads, eps, pos_ptr, cos_ptr, sin_ptr, table_stride, t, head_block,
+def _heads(x_ptr, x_s_t, x_s_h, n_heads, eps, pos_ptr, cos_ptr, sin_ptr, table_stride, n_positions, t, head_block,
            NORM: tl.constexpr, BLOCK_H: tl.constexpr):
     """Token ``t``'s heads of ``head_block`` (see :func:`v4_heads_kernel`), in place."""
     h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -107,7 +108,7 @@ def _heads(x_ptr, x_s_t, x_s_h, n_heads, eps, pos_ptr, cos_ptr, sin_ptr, table_s
         a = round_to(a * f.to(tl.float32)[:, None], TY).to(tl.float32)
         b = round_to(b * f.to(tl.float32)[:, None], TY).to(tl.float32)
         at_t = t + tl.zeros((1,), tl.int32)  # every head of the token at its one position
-        a, b = _rotated_tail(a, b, tl.load(pos_ptr + at_t), cos_ptr, sin_ptr, table_stride, at_t >= 0)
+        a, b = _rotated_tail(a, b, tl.load(pos_ptr + at_t), cos_ptr, sin_ptr, table_stride, n_positions, at_t >= 0)
         tl.store(row + 2 * p[None, :], round_to(a, TY), mask=hm[:, None])
         tl.store(row + 2 * p[None, :] + 1, round_to(b, TY), mask=hm[:, None])
     else:
@@ -115,14 +116,17 @@ def _heads(x_ptr, x_s_t, x_s_h, n_heads, eps, pos_ptr, cos_ptr, sin_ptr, table_s
         at = row + 448 + 2 * i[None, :]
         a = tl.load(at, mask=hm[:, None], other=0.0).to(tl.float32)
         b = tl.load(at + 1, mask=hm[:, None], other=0.0).to(tl.float32)
-        angle = tl.load(pos_ptr + t).to(tl.int64) * table_stride + i[None, :]
-        ra, rb = rope_pairs(a, b, tl.load(cos_ptr + angle), tl.load(sin_ptr + angle))
+        pos = tl.load(pos_ptr + t)
+        angle = pos.to(tl.int64) * table_stride + i[None, :]
+        ok = in_table(pos, n_positions)
+        ra, rb = rope_pairs(a, b, tl.load(cos_ptr + angle, mask=ok, other=0.0),
+                            tl.load(sin_ptr + angle, mask=ok, other=0.0))
         tl.store(at, round_to(ra, TY), mask=hm[:, None])
         tl.store(at + 1, round_to(rb, TY), mask=hm[:, None])
 
 
 @triton.jit
-def v4_heads_kernel(x_ptr, x_s_t, x_s_h, n_heads, eps, pos_ptr, cos_ptr, sin_ptr, table_stride,
+def v4_heads_kernel(x_ptr, x_s_t, x_s_h, n_heads, eps, pos_ptr, cos_ptr, sin_ptr, table_stride, n_positions,
                     bt_ptr, bt_s_b, bt_s_k, slots_ptr, s_q, window, max_blocks, page_size,
                     NORM: tl.constexpr, SLOTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr):
     """V4's heads ``x [T, n_heads, 512]`` of token ``t = program_id(0)``, BLOCK_H a program, in place: with NORM
@@ -142,7 +146,8 @@ def v4_heads_kernel(x_ptr, x_s_t, x_s_h, n_heads, eps, pos_ptr, cos_ptr, sin_ptr
             slot = table_slots(bt_ptr, bt_s_b, bt_s_k, t // s_q, p, live, page_size, max_blocks)
             tl.store(slots_ptr + t.to(tl.int64) * window + k, slot.to(tl.int32), mask=live)
         else:
-            _heads(x_ptr, x_s_t, x_s_h, n_heads, eps, pos_ptr, cos_ptr, sin_ptr, table_stride, t, block, NORM,
-                   BLOCK_H)
+            _heads(x_ptr, x_s_t, x_s_h, n_heads, eps, pos_ptr, cos_ptr, sin_ptr, table_stride, n_positions, t, block,
+                   NORM, BLOCK_H)
     else:
-        _heads(x_ptr, x_s_t, x_s_h, n_heads, eps, pos_ptr, cos_ptr, sin_ptr, table_stride, t, block, NORM, BLOCK_H)
+        _heads(x_ptr, x_s_t, x_s_h, n_heads, eps, pos_ptr, cos_ptr, sin_ptr, table_stride, n_positions, t, block,
+               NORM, BLOCK_H)
