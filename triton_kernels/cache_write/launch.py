@@ -1,5 +1,5 @@
-"""Launchers of the cache writer, the MLA prolog, the q assembly and the DSA slot kernels (called by
-:mod:`anymla.layers`, which validates the arguments first).
+"""Launchers of the cache writer, the MLA prolog, the q assembly, the DSA slot kernels and V4's prolog and heads
+kernels (called by :mod:`anymla.layers`, which validates the arguments first).
 
 Every launch goes through anymla's direct :class:`~anymla.triton_kernels.launcher.Launcher`: after a kernel's
 first call with a given set of non-tensor arguments, later calls skip Triton's per-call binding and
@@ -295,8 +295,7 @@ def v4_heads(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: t
 
     def full():
         return [x, x.stride(0), x.stride(1), h, norm_eps, positions, cos, sin, cos.stride(0), cos.shape[0],
-                *_window_args(slots),
-                eps is not None, slots is not None, block_h, block_w]
+                *_window_args(slots), eps is not None, slots is not None, block_h, block_w]
 
     window_values = (None, None) if slots is None else (slots.block_table, slots.out)
     _run(v4_heads_kernel, (n, _cdiv(h, block_h) + slot_blocks), (x, norm_eps, positions, cos, sin, *window_values),
