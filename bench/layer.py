@@ -19,7 +19,7 @@ as eager launches and as a CUDA-graph replay (where capturable), after a correct
 time to enqueue one eager call (``host_us``) on accelerators. Issue targets: layer <= 1.15x the sum of its
 parts, >= 2x faster than eager torch; writer >= 0.6x copy bandwidth.
 
-``--host`` times the layer's own host work on any machine: a decode step of a tiny layer on the Triton
+``--host`` times the layers' own host work on any machine: a decode step of a tiny layer on the Triton
 tier's path (on a CPU under TRITON_INTERPRET=1) with every Triton kernel's execution and the attention call
 replaced by no-ops, so what remains is the Python glue and torch's dispatch of the GEMMs (thread CPU time).
 What the replaced launches cost on a GPU's host is the ``host_us`` of the layer rows.
@@ -266,33 +266,42 @@ def _no_attention(q, *args, **kwargs):
 
 
 def host_glue(device, steps: int = 100, rounds: int = 15) -> list[dict]:
-    """The layer's own host work per decode step (see the module docstring): a tiny layer (2 requests, 2 heads,
-    hidden 32), bf16 dense and V3.2 FP8 with DSA indices, median over ``rounds`` of ``steps`` steps."""
+    """The layer's own host work per decode step (see the module docstring): tiny layers (2 requests), V3's
+    (2 heads, hidden 32) over bf16 dense and V3.2 FP8 with DSA indices, V4's (4 heads of 512) over a bf16
+    cache; median over ``rounds`` of ``steps`` steps."""
     from unittest import mock
 
+    from anymla.layers import V4Attention, V4Config, kernels
     from anymla.triton_kernels.cache_write import kernel as cw_kernel, launch
-    from anymla.layers import kernels
     name, why = kernels.choose(device)
     if name != "triton":
         raise RuntimeError(f"--host times the Triton tier's path, which does not run here: {why}")
     cfg = MLAConfig(hidden_size=32, num_heads=2, q_lora_rank=16, qk_nope_head_dim=16, v_head_dim=16,
                     max_position_embeddings=64)
     stubs = {n: _NoKernel() for n in dir(launch) if isinstance(getattr(launch, n), type(cw_kernel.cache_write_kernel))}
-    rows = []
+    pos = torch.tensor([[40], [50]], device=device)
+    common = dict(hidden_states=torch.randn(2, 1, 32, device=device).bfloat16(), positions=pos,
+                  block_table=torch.arange(8, dtype=torch.int32, device=device).view(2, 4),
+                  residual=torch.randn(2, 1, 32, device=device).bfloat16())
+    cases = []
     for fmt in (KVCacheFormat.BF16, KVCacheFormat.V32_FP8):
-        layer = MLAAttention(cfg, device=device)
-        for _, buf in layer.named_buffers():
-            buf.normal_()
-        pos = torch.tensor([[40], [50]], device=device)
         cache = (torch.zeros(8, 16, 1, 576, dtype=torch.bfloat16, device=device) if fmt is KVCacheFormat.BF16
                  else torch.zeros(8, 16, 1, 656, dtype=torch.uint8, device=device))
-        inp = dict(hidden_states=torch.randn(2, 1, 32, device=device).bfloat16(), positions=pos, kv_cache=cache,
-                   block_table=torch.arange(8, dtype=torch.int32, device=device).view(2, 4),
-                   cache_seqlens=(pos[:, 0] + 1).int(), residual=torch.randn(2, 1, 32, device=device).bfloat16(),
+        inp = dict(common, kv_cache=cache, cache_seqlens=(pos[:, 0] + 1).int(),
                    indices=None if fmt is KVCacheFormat.BF16 else torch.randint(0, 40, (2, 1, 16), device=device))
+        cases.append((f"{fmt.name}{' topk 16' if inp['indices'] is not None else ' dense'}",
+                      MLAAttention(cfg, device=device), inp))
+    v4 = V4Attention(V4Config(hidden_size=32, num_heads=4, q_lora_rank=16, o_groups=2, o_lora_rank=8,
+                              sliding_window=4), device=device)
+    cases.append(("V4 BF16 window 4", v4, dict(common, kv_cache=torch.zeros(8, 16, 1, 512, dtype=torch.bfloat16,
+                                                                             device=device))))
+    rows = []
+    for case, layer, inp in cases:
+        for _, buf in layer.named_buffers():
+            buf.normal_()
         per_step = []
         with mock.patch.object(anymla.api, "flash_mla_with_kvcache", _no_attention), \
-                mock.patch.multiple(launch, **stubs):
+                mock.patch.multiple(launch, **stubs), torch.no_grad():
             for _ in range(20):
                 layer(**inp)
             for _ in range(rounds):
@@ -300,7 +309,6 @@ def host_glue(device, steps: int = 100, rounds: int = 15) -> list[dict]:
                 for _ in range(steps):
                     layer(**inp)
                 per_step.append((time.thread_time() - t0) * 1e6 / steps)
-        case = f"{fmt.name}{' topk 16' if inp['indices'] is not None else ' dense'}"
         rows.append(dict(group="host", case=case, component="layer glue (kernels, attention: no-ops)",
                          host_us=statistics.median(per_step), note=f"thread CPU time, {device.type}"))
         print(f"host glue {case}: {rows[-1]['host_us']:.1f} µs per decode step (min {min(per_step):.1f})")
