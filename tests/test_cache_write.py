@@ -366,6 +366,21 @@ def test_v4_heads_kernel_matches_the_model_ops_and_writes_the_window_slots(norm)
         assert slots is None and torch.equal(ours[..., :448], x[..., :448])
 
 
+def test_layer_kernels_run_their_torch_ops_on_npus(monkeypatch):
+    """triton-ascend lowers few of the layer kernels (ascend_compile_check.py --layers), so on an NPU with the
+    Triton tier available the layers still choose their torch ops, saying why; an explicit choice is kept."""
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Npu:  # torch.device("npu") needs torch_npu; the choice reads only .type
+        type: str = "npu"
+
+    monkeypatch.setattr(kernels, "_triton_reasons", lambda device: ())
+    name, why = kernels.choose(Npu())
+    assert name == "torch" and "triton-ascend" in why and "--layers" in why, why
+    assert kernels.choose(Npu(), "triton")[0] == "triton"
+
+
 def _slots_oracle(indices, positions, table, page):
     """The cache slot of each index, element by element (what sparse_slots must return)."""
     out = torch.full(indices.shape, -1, dtype=torch.int32)

@@ -1,6 +1,7 @@
 """Compile-check the Triton kernels for Ascend A2/A3 (triton-ascend) on a machine without an NPU or CANN.
 
     python triton_kernels/ascend_compile_check.py [LABEL_SUBSTRING]
+    python triton_kernels/ascend_compile_check.py --layers   # the layer kernels: a report, not a check
 
 Run it from a venv of its own (triton-ascend replaces the ``triton`` package; never install it next to PyPI's):
 
@@ -14,6 +15,10 @@ SoC. A PASS is not a binary, not a run and says nothing about numerics or speed 
 Only the tile ``tuning.py`` ships for Ascend counts: a shipped tile that overflows is a FAIL (smaller key blocks
 are then tried and printed as a hint, never as a pass). Before the table, the tool checks itself: a tile known
 not to fit must FAIL, or it exits 2. Exit status: 0 only when every (variant, SoC) pair passes.
+
+``--layers`` compiles the layer kernels (``cache_write/``: the writer in every format, the prologs, the q
+assembly, the slots, V4's kernels) for the first SoC and prints which lower. It is a report (exit status 0):
+the layers run their torch ops on NPUs (``anymla.layers.kernels.NPU_REASON`` says why, from this table).
 
 Loads the kernel files by path under a synthetic package, so neither torch nor ``anymla`` is imported.
 """
@@ -110,6 +115,10 @@ def _first_error(e: Exception) -> str:
     located = re.search(r"([\w.]+):(\d+):\d+: error: (.*)", msg)
     if located:
         return "{}:{}: {}".format(*located.groups())
+    # BiShengHIR's own errors (loc("file":line:col): error: ...), the pipeline's summary line aside
+    hir = [m for m in re.findall(r'loc\("[^"]*":\d+:\d+\): error: (.*)', msg) if "Failed to run" not in m]
+    if hir:
+        return hir[0].strip()[:200]
     abort = re.search(r"LLVM ERROR: .*|Assertion .*", msg)
     if abort:
         return abort.group(0).strip()[:200]
@@ -155,6 +164,9 @@ class Variant:
     tile: Optional[object] = None  # the npu TileConfig of tuning.py; None for the untiled combine
 
 
+_FLOAT_ARGS = ("scale_log2", "kv_eps", "q_eps", "eps")
+
+
 def _signature(fn, pointers: dict, constants: dict) -> dict:
     """Triton 3.2 signature: constexprs (and the None TMA descriptors, which the launcher's None arguments
     specialize as constexprs) as "constexpr", pointers typed from ``pointers`` (else fp32), the rest i32."""
@@ -165,7 +177,7 @@ def _signature(fn, pointers: dict, constants: dict) -> dict:
         elif name.endswith("_ptr"):
             sig[name] = pointers.get(name, "*fp32")
         else:
-            sig[name] = "fp32" if name == "scale_log2" else "i32"
+            sig[name] = "fp32" if name in _FLOAT_ARGS else "i32"
     return sig
 
 
@@ -210,6 +222,60 @@ def variants(common, tuning, sparse, dense) -> list:
     return out
 
 
+def layer_variants() -> list:
+    """The layer kernels as the layers launch them on a device without native fp8 (slots from the block
+    table, the q assembly rotating q_pe only, V4's q rank 1024): one tile each, the GPUs' (4 tokens a program)."""
+    cw, v4 = (importlib.import_module(f"{_PKG}.cache_write.{m}") for m in ("kernel", "v4_kernel"))
+    b16, byte = "*bf16", "*u8"
+    out = []
+    for fmt, d in ((0, 576), (1, 576), (2, 512), (3, 512), (4, 512)):
+        out.append(Variant("cache_write", f"write {_FMT_NAMES[fmt]}", cw.cache_write_kernel,
+                           {"src_ptr": b16, "slots_ptr": "*i32", "cache_ptr": b16 if fmt == 0 else byte},
+                           lambda t, fmt=fmt, d=d: dict(FMT=fmt, D=d, NATIVE_FP8=False, BLOCK_T=4)))
+    prolog = {"kv_ptr": b16, "kv_w_ptr": b16, "q_ptr": b16, "q_w_ptr": b16, "q_out_ptr": b16, "pos_ptr": "*i32",
+              "slots_ptr": "*i32", "bt_ptr": "*i32"}
+    for fmt in (0, 1):
+        out.append(Variant("mla_prolog", f"{_FMT_NAMES[fmt]} q1536", cw.mla_prolog_kernel,
+                           {**prolog, "cache_ptr": b16 if fmt == 0 else byte},
+                           lambda t, fmt=fmt: dict(FMT=fmt, ROPE_STYLE=0, Q_RANK=1536, Q_BLOCK=2048,
+                                                   SLOTS_FROM_TABLE=True, NATIVE_FP8=False, BLOCK_T=4)))
+    query = {"qn_ptr": b16, "qpe_ptr": b16, "pos_ptr": "*i32", "out_ptr": b16, "idx_ptr": "*i32", "bt_ptr": "*i32",
+             "slots_ptr": "*i32"}
+    for slots in (False, True):
+        out.append(Variant("q_assemble", "with slots" if slots else "rope only", cw.q_assemble_kernel, query,
+                           lambda t, slots=slots: dict(D_LAT=512, ROPE_STYLE=0, COPY_NOPE=False, BLOCK_H=16,
+                                                       SLOTS=slots, BLOCK_K=1024 if slots else 1)))
+    out.append(Variant("sparse_slots", "BLOCK_K 1024", cw.sparse_slots_kernel,
+                       {"idx_ptr": "*i32", "pos_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*i32"},
+                       lambda t: dict(BLOCK_K=1024)))
+    for fmt in (0, 2, 3, 4):
+        out.append(Variant("v4_prolog", f"{_FMT_NAMES[fmt]} q1024", v4.v4_prolog_kernel,
+                           {**prolog, "kv_w_ptr": "*fp32", "q_w_ptr": "*fp32", "cache_ptr": b16 if fmt == 0 else byte},
+                           lambda t, fmt=fmt: dict(FMT=fmt, Q_RANK=1024, Q_BLOCK=1024, NATIVE_FP8=False,
+                                                   BLOCK_T=4)))
+    heads = {"x_ptr": b16, "pos_ptr": "*i32", "bt_ptr": "*i32", "slots_ptr": "*i32"}
+    out.append(Variant("v4_heads", "query + window slots", v4.v4_heads_kernel, heads,
+                       lambda t: dict(NORM=True, SLOTS=True, BLOCK_H=8, BLOCK_W=128)))
+    out.append(Variant("v4_heads", "output", v4.v4_heads_kernel, heads,
+                       lambda t: dict(NORM=False, SLOTS=False, BLOCK_H=16, BLOCK_W=1)))
+    return out
+
+
+def report_layers() -> int:
+    """Which layer kernels triton-ascend lowers for the first SoC (a report: always exit status 0)."""
+    _install_compiler_wrapper()
+    _load_kernels()
+    print(f"triton-ascend {triton.__version__}: the layer kernels for {SOCS[0]} (the layers run their torch ops "
+          "on NPUs; this says which kernels would lower)\n")
+    try:
+        for v in layer_variants():
+            status, info, _ = _check_variant(v, SOCS[0], None)
+            print(_row(v.kernel, v.label, SOCS[0], None, status, info), flush=True)
+    finally:
+        shutil.rmtree(_WORK, ignore_errors=True)
+    return 0
+
+
 def _smaller_tiles(tile):
     """Halved key blocks of ``tile`` down to 8 rows (the big live tiles are [BLOCK_N, 512])."""
     while tile.block_n > 8:
@@ -238,6 +304,8 @@ def _overflow_fails(variants_: list) -> bool:
 
 
 def main() -> int:
+    if sys.argv[1:] == ["--layers"]:
+        return report_layers()
     only = sys.argv[1] if len(sys.argv) > 1 else ""
     compiler_dir = _install_compiler_wrapper()
     common, tuning, sparse, dense = _load_kernels()

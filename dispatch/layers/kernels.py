@@ -1,8 +1,10 @@
-"""Which implementation the layer kernels (cache writer, prolog, q assembly) run on a device, and why.
+"""Which implementation the layer kernels (cache writer, prolog, q assembly, slots, V4's kernels) run on a
+device, and why.
 
-Triton where the Triton tier can run (cuda, npu, or the CPU under ``TRITON_INTERPRET=1``), the PyTorch
-reference otherwise. ``backend="triton"`` / ``"torch"`` forces one; forcing Triton where it cannot run raises
-with the reasons.
+Triton where the Triton tier can run them (cuda, or the CPU under ``TRITON_INTERPRET=1``), the PyTorch
+reference otherwise, and on Ascend NPUs, where triton-ascend does not lower most of them (:data:`NPU_REASON`).
+``backend="triton"`` / ``"torch"`` forces one; forcing Triton where the tier cannot run raises with the
+reasons.
 """
 
 from __future__ import annotations
@@ -13,6 +15,16 @@ from typing import Optional
 import torch
 
 BACKENDS = ("triton", "torch")
+
+# The layer kernels through triton-ascend 3.2's compiler for Ascend 910B3 (`python
+# triton_kernels/ascend_compile_check.py --layers`, no NPU or CANN: it stops before the last step, so a pass
+# is no proof, a failure is): the BF16 writer, the slot kernel and V4's query heads lower; the prologs, the q
+# assembly and V4's output heads do not (an assertion in its deinterleave of the strided RoPE pair loads), nor
+# does any quantized writer (the integer e4m3 encoder's uint32 -> uint64 casts; V4's BF16 prolog overflows the
+# UB at 4 tokens). One layer step needs all of its kernels, so on an NPU the layers run their torch ops.
+NPU_REASON = ("triton-ascend 3.2 does not lower most layer kernels (the prologs, the q assembly and V4's output "
+              "heads: its deinterleave of the RoPE pair loads; the quantized writers: their uint32 -> uint64 casts; "
+              "ascend_compile_check.py --layers)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,4 +49,6 @@ def choose(device: torch.device, backend: Optional[str] = None) -> tuple[str, st
         return "triton", "forced (backend='triton')"
     if reasons:
         return "torch", "PyTorch reference: " + "; ".join(reasons)
+    if device.type == "npu":
+        return "torch", "PyTorch reference: " + NPU_REASON
     return "triton", f"Triton kernels run on {device.type}"
