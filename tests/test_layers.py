@@ -514,6 +514,30 @@ def _v4_step_inputs(fmt, seed: int = 0) -> dict:
                 residual=torch.randn(2, 1, 32, generator=g).bfloat16())
 
 
+@pytest.mark.parametrize("kind", ["V3 BF16", "V3.2 FP8 indices", "V4 FP4"])
+def test_a_layer_explains_the_step_it_runs(kind, monkeypatch):
+    """``layer.explain(...)`` says how the step attends and which kernels it runs, and holds the dispatcher's
+    decision that the step's attention call then runs with (the same object); explaining writes nothing."""
+    from anymla.selection import Decision
+    if kind == "V4 FP4":
+        layer, inp = _small_v4_layer(), _v4_step_inputs(F.V41_FP4)
+    else:
+        layer = _small_layer(seed=4)
+        inp = _decode_inputs(layer, F.BF16 if kind == "V3 BF16" else F.V32_FP8)
+    before = inp["kv_cache"].clone()
+    exp = layer.explain(**inp)
+    assert torch.equal(inp["kv_cache"].view(torch.uint8), before.view(torch.uint8))
+    text = str(exp)
+    assert {"V3 BF16": "dense decoding", "V3.2 FP8 indices": "at the DSA indices",
+            "V4 FP4": "window of 4 positions"}[kind] in text, text
+    assert f"layer kernels: {exp.kernels} ({exp.kernels_reason})" in text and f"{exp.attention.op} on " in text
+    ran = []
+    real = Decision.run
+    monkeypatch.setattr(Decision, "run", lambda self, problem: ran.append(self) or real(self, problem))
+    layer(**inp)
+    assert ran and ran[0] is exp.attention
+
+
 def test_layers_debug_checks_name_a_position_past_the_rope_table():
     """Positions index the layers' RoPE tables: with the debug checks on, one outside the table raises naming
     it (off, the kernels read the table only at its rows: tests/test_cache_write.py)."""

@@ -23,6 +23,7 @@ from ..kvcache import KVCacheFormat
 from ..metadata import FlashMLASchedMeta, get_mla_metadata
 from . import kernels
 from .config import MLAConfig
+from .explain import StepExplanation
 from .prolog import check_prolog_cache, run_assemble_q, run_prolog
 from .rope import RopeTable, check_positions
 from .slots import check_block_table, check_slot_inputs
@@ -44,6 +45,7 @@ class _StepPlan:
 
     fmt: KVCacheFormat
     kernels: str  # the prolog / assembly / slot kernels' implementation: "triton" or "torch"
+    kernels_reason: str
     sparse: bool  # sparse decoding (indices given, or a quantized cache) rather than dense
     sched: FlashMLASchedMeta
     every_position: Optional[torch.Tensor]  # [max_blocks * page] int32: the indices of sparse calls without any
@@ -152,10 +154,7 @@ class MLAAttention(torch.nn.Module):
         checked and planned on its first call (:meth:`_plan`); later calls launch only: on the Triton tier a
         decode step is five torch GEMMs, two Triton kernels and the attention call.
         """
-        plan = self._plans.get(_signature(hidden_states, positions, kv_cache, block_table, cache_seqlens, indices,
-                                          residual, self.kernel_backend, self.attention_backend))
-        if plan is None:
-            plan = self._plan(hidden_states, positions, kv_cache, block_table, cache_seqlens, indices, residual)
+        plan = self._plan_for(hidden_states, positions, kv_cache, block_table, cache_seqlens, indices, residual)
         c, h = self.config, self.config.num_heads
         b, s, _ = hidden_states.shape
         t, nope = b * s, c.qk_nope_head_dim
@@ -197,15 +196,53 @@ class MLAAttention(torch.nn.Module):
     def _attend(self, plan: "_StepPlan", q, kv_cache, block_table, cache_seqlens, slots):
         """anymla's attention over the cache: dense decoding for a bf16 cache without indices, sparse
         decoding at the DSA indices' cache ``slots`` otherwise. Returns ``[b, s, h, 512]``."""
+        args, kwargs = self._attention_call(plan, q, kv_cache, block_table, cache_seqlens, slots)
+        return api.flash_mla_with_kvcache(*args, **kwargs)[0]
+
+    def _attention_call(self, plan: "_StepPlan", q, kv_cache, block_table, cache_seqlens, slots) -> tuple:
+        """The arguments of a step's attention call (``q [b, s, h, 576]``; ``slots`` for sparse decoding)."""
         if not plan.sparse:
-            out, _ = api.flash_mla_with_kvcache(q, kv_cache, block_table, cache_seqlens, 512, plan.sched,
-                                                softmax_scale=self.softmax_scale, causal=q.shape[1] > 1,
-                                                backend=self.attention_backend)
-            return out
-        out, _ = api.flash_mla_with_kvcache(q, kv_cache, None, None, 512, plan.sched, softmax_scale=self.softmax_scale,
-                                            is_fp8_kvcache=plan.fmt.is_quantized, indices=slots,
-                                            backend=self.attention_backend)
-        return out
+            return (q, kv_cache, block_table, cache_seqlens, 512, plan.sched), dict(
+                softmax_scale=self.softmax_scale, causal=q.shape[1] > 1, backend=self.attention_backend)
+        return (q, kv_cache, None, None, 512, plan.sched), dict(
+            softmax_scale=self.softmax_scale, is_fp8_kvcache=plan.fmt.is_quantized, indices=slots,
+            backend=self.attention_backend)
+
+    def explain(self, hidden_states: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                block_table: torch.Tensor, cache_seqlens: torch.Tensor, *, indices: Optional[torch.Tensor] = None,
+                residual: Optional[torch.Tensor] = None) -> StepExplanation:
+        """What :meth:`forward` runs for these arguments' call signature (checked and planned as forward plans
+        it; nothing is computed or written): the cache format, how the step attends, its kernels'
+        implementation and why, and the dispatcher's decision for its attention call. ``print()`` it."""
+        plan = self._plan_for(hidden_states, positions, kv_cache, block_table, cache_seqlens, indices, residual)
+        b, s, _ = hidden_states.shape
+        q = torch.empty(b, s, self.config.num_heads, self.config.d_qk, dtype=hidden_states.dtype,
+                        device=kv_cache.device)
+        slots = None
+        if plan.sparse:  # the slots the q assembly's launch writes: [b, s, topk] int32
+            topk = plan.every_position.shape[0] if indices is None else indices.shape[-1]
+            slots = torch.empty(b, s, topk, dtype=torch.int32, device=kv_cache.device)
+        args, kwargs = self._attention_call(plan, q, kv_cache, block_table, cache_seqlens, slots)
+        if not plan.sparse:
+            attends = "dense decoding" + (" (causal)" if s > 1 else "")
+        elif indices is None:
+            attends = "sparse decoding over every earlier position (a quantized cache is read sparsely)"
+        else:
+            attends = f"sparse decoding at the DSA indices (topk {indices.shape[-1]})"
+        launches = ("five GEMMs / bmms and two Triton kernels (the prolog; the q assembly" +
+                    (" with the DSA slots)" if plan.sparse else ")") if plan.kernels == "triton" else
+                    "five GEMMs / bmms and the prolog's, the q assembly's and the slots' torch ops")
+        return StepExplanation("MLAAttention", plan.fmt, attends, plan.kernels, plan.kernels_reason, launches,
+                               api.explain(api.flash_mla_with_kvcache, *args, **kwargs))
+
+    def _plan_for(self, hidden_states, positions, kv_cache, block_table, cache_seqlens, indices,
+                  residual) -> "_StepPlan":
+        """The plan of the arguments' call signature, checked and made on its first call (:meth:`_plan`)."""
+        plan = self._plans.get(_signature(hidden_states, positions, kv_cache, block_table, cache_seqlens, indices,
+                                          residual, self.kernel_backend, self.attention_backend))
+        if plan is None:
+            plan = self._plan(hidden_states, positions, kv_cache, block_table, cache_seqlens, indices, residual)
+        return plan
 
     def _plan(self, hidden_states, positions, kv_cache, block_table, cache_seqlens, indices, residual) -> "_StepPlan":
         """Check a new call signature and fix what it determines: the cache format, the kernels' implementation
@@ -228,12 +265,12 @@ class MLAAttention(torch.nn.Module):
         if sparse and indices is None:
             every_position = torch.arange(block_table.shape[1] * kv_cache.shape[1], dtype=torch.int32,
                                           device=kv_cache.device)
-        impl = kernels.choose(kv_cache.device, self.kernel_backend)[0]
+        impl, reason = kernels.choose(kv_cache.device, self.kernel_backend)
         launchers = None
         if impl == "triton":
             from anymla.triton_kernels.cache_write import launch
             launchers = launch.step_launchers(kv_cache.device)
-        plan = _StepPlan(fmt, impl, sparse, get_mla_metadata()[0], every_position, launchers)
+        plan = _StepPlan(fmt, impl, reason, sparse, get_mla_metadata()[0], every_position, launchers)
         key = _signature(hidden_states, positions, kv_cache, block_table, cache_seqlens, indices, residual,
                          self.kernel_backend, self.attention_backend)
         self._plans[key] = plan

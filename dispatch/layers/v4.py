@@ -20,7 +20,7 @@ compressed rows and indexer are not here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Mapping, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,7 @@ from ..kvcache import KVCacheFormat, detect_format
 from ..metadata import get_mla_metadata
 from . import kernels
 from .cache_write import check_slot_count
+from .explain import StepExplanation
 from .rope import RopeTable, check_positions
 from .slots import check_block_table
 from .v4_kernels import HEAD_DIM, ROPE, run_v4_heads, run_v4_prolog
@@ -67,6 +68,16 @@ class V4Config:
         return HEAD_DIM ** -0.5
 
 
+class _V4Plan(NamedTuple):
+    """What one call signature of :meth:`V4Attention.forward` fixes."""
+
+    fmt: KVCacheFormat
+    sched: object  # the attention call's FlashMLASchedMeta
+    kernels: str  # the layer kernels' implementation: "triton" or "torch"
+    kernels_reason: str
+    launchers: object  # cache_write.launch.V4StepLaunchers bound to this signature, or None (torch)
+
+
 class V4Attention(torch.nn.Module):
     """One V4 sliding-window attention layer (inference only; weights are buffers). Build it with
     :meth:`from_weights` (Hugging Face parameter names) or :func:`anymla.layers.from_hf_v4`."""
@@ -97,7 +108,7 @@ class V4Attention(torch.nn.Module):
         self.register_buffer("rope_sin_back", -table.sin)  # the rotation by minus the angle (the output's rope)
         self.kernel_backend: Optional[str] = None
         self.attention_backend: Optional[str] = None
-        self._plans: dict = {}  # call signature -> (cache format, scheduling metadata, kernels, their launchers)
+        self._plans: dict = {}  # call signature -> _V4Plan
 
     @classmethod
     def from_weights(cls, config: V4Config, weights: Mapping[str, torch.Tensor], **kwargs) -> "V4Attention":
@@ -138,13 +149,8 @@ class V4Attention(torch.nn.Module):
         Returns:
             ``[b, s, hidden_size]`` in the layer's dtype.
         """
-        key = tuple((a.shape, a.dtype, a.device, a.stride()) if isinstance(a, torch.Tensor) else a
-                    for a in (hidden_states, positions, kv_cache, block_table, residual, self.kernel_backend,
-                              self.attention_backend))
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = self._plan(hidden_states, positions, kv_cache, block_table, residual)
-        fmt, sched, impl, bound = plan
+        plan = self._plan_for(hidden_states, positions, kv_cache, block_table, residual)
+        impl, bound = plan.kernels, plan.launchers
         c, h = self.config, self.config.num_heads
         b, s, _ = hidden_states.shape
         t, r, eps = b * s, c.q_lora_rank, c.rms_norm_eps
@@ -155,16 +161,15 @@ class V4Attention(torch.nn.Module):
             check_positions(positions, table)
 
         qkv = F.linear(x, self.w_qkv_a)
-        q_lat = run_v4_prolog(impl, fmt, qkv[:, r:], self.kv_norm, eps, qkv[:, :r], self.q_a_norm, pos, table,
+        q_lat = run_v4_prolog(impl, plan.fmt, qkv[:, r:], self.kv_norm, eps, qkv[:, :r], self.q_a_norm, pos, table,
                               kv_cache, block_table, None if bound is None else bound.prolog)
         # the query heads normed and roped, and each query's window (its position and the sliding_window - 1
         # before it) as cache slots
         q, slots = run_v4_heads(impl, F.linear(q_lat, self.w_q_b).view(t, h, HEAD_DIM), pos, table, eps,
                                 None if bound is None else bound.query,
                                 (block_table, c.sliding_window, kv_cache.shape[1]))
-        o, _ = api.flash_mla_with_kvcache(q.view(b, s, h, HEAD_DIM), kv_cache, None, None, HEAD_DIM, sched,
-                                          softmax_scale=c.softmax_scale, is_fp8_kvcache=fmt.is_quantized,
-                                          indices=slots, attn_sink=self.sinks, backend=self.attention_backend)
+        args, kwargs = self._attention_call(plan, q.view(b, s, h, HEAD_DIM), kv_cache, slots)
+        o, _ = api.flash_mla_with_kvcache(*args, **kwargs)
         # K = V: the output's rope channels carry the keys' rotations; rotate them back by the query's angle
         o, _ = run_v4_heads(impl, o.reshape(t, h, HEAD_DIM), pos, RopeTable(self.rope_cos, self.rope_sin_back,
                                                                           "interleaved"), None,
@@ -176,6 +181,40 @@ class V4Attention(torch.nn.Module):
         out = F.linear(mixed, self.w_o_b) if residual is None else \
             torch.addmm(residual.reshape(t, c.hidden_size), mixed, self.w_o_b.t())
         return out.view(b, s, c.hidden_size)
+
+    def _attention_call(self, plan: _V4Plan, q, kv_cache, slots) -> tuple:
+        """The arguments of a step's attention call (``q [b, s, h, 512]``, the window ``slots [b, s, window]``)."""
+        return (q, kv_cache, None, None, HEAD_DIM, plan.sched), dict(
+            softmax_scale=self.config.softmax_scale, is_fp8_kvcache=plan.fmt.is_quantized, indices=slots,
+            attn_sink=self.sinks, backend=self.attention_backend)
+
+    def explain(self, hidden_states: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                block_table: torch.Tensor, *, residual: Optional[torch.Tensor] = None) -> StepExplanation:
+        """What :meth:`forward` runs for these arguments' call signature (checked and planned as forward plans
+        it; nothing is computed or written); ``print()`` it."""
+        plan = self._plan_for(hidden_states, positions, kv_cache, block_table, residual)
+        b, s, _ = hidden_states.shape
+        w = self.config.sliding_window
+        q = torch.empty(b, s, self.config.num_heads, HEAD_DIM, dtype=hidden_states.dtype, device=kv_cache.device)
+        slots = torch.empty(b, s, w, dtype=torch.int32, device=kv_cache.device)
+        args, kwargs = self._attention_call(plan, q, kv_cache, slots)
+        launches = ("four GEMMs / bmms and three Triton kernels (the prolog with the cache write; the query heads "
+                    "with the window slots; the output's rotation back)" if plan.kernels == "triton" else
+                    "four GEMMs / bmms and the norms', RoPE's, slots' and writer's torch ops")
+        return StepExplanation("V4Attention", plan.fmt, f"sparse decoding over a window of {w} positions, sinks",
+                               plan.kernels, plan.kernels_reason, launches,
+                               api.explain(api.flash_mla_with_kvcache, *args, **kwargs))
+
+    def _plan_for(self, hidden_states, positions, kv_cache, block_table, residual) -> _V4Plan:
+        """The plan of the arguments' call signature (shapes, dtypes, strides, devices, the overrides), checked
+        and made on its first call."""
+        key = tuple((a.shape, a.dtype, a.device, a.stride()) if isinstance(a, torch.Tensor) else a
+                    for a in (hidden_states, positions, kv_cache, block_table, residual, self.kernel_backend,
+                              self.attention_backend))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(hidden_states, positions, kv_cache, block_table, residual)
+        return plan
 
     def _plan(self, hidden_states, positions, kv_cache, block_table, residual):
         c = self.config
@@ -206,9 +245,9 @@ class V4Attention(torch.nn.Module):
         if self.w_o_b.device != kv_cache.device:
             raise ValueError(f"kv_cache: expected a tensor on the layer's device {self.w_o_b.device}, got "
                              f"{kv_cache.device}")
-        impl = kernels.choose(kv_cache.device, self.kernel_backend)[0]
+        impl, reason = kernels.choose(kv_cache.device, self.kernel_backend)
         bound = None
         if impl == "triton":
             from anymla.triton_kernels.cache_write import launch
             bound = launch.v4_step_launchers(kv_cache.device)
-        return fmt, get_mla_metadata()[0], impl, bound
+        return _V4Plan(fmt, get_mla_metadata()[0], impl, reason, bound)
