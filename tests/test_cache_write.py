@@ -301,11 +301,11 @@ def test_the_layer_kernels_read_the_rope_table_only_at_its_rows():
 V4_FORMATS = [F.BF16, F.MODEL1_FP8, F.V41_FP8, F.V41_FP4]
 
 
-def _v4_step_inputs(seed: int):
+def _v4_step_inputs(seed: int, dtype=torch.bfloat16):
     """Two requests of 5 new tokens over a 4 x 4-slot block table (request 1's last position is past it), the
     fused [q latent | kv row] projection output (a strided view each, as the layer passes them), fp32 weights."""
     g = torch.Generator().manual_seed(seed)
-    qkv = (torch.randn(10, 24 + 512, generator=g) * 3).bfloat16().to(DEVICE)
+    qkv = (torch.randn(10, 24 + 512, generator=g) * 3).to(dtype).to(DEVICE)
     pos = torch.cat([torch.arange(3, 8), torch.arange(12, 17)]).to(DEVICE)
     table = torch.randperm(8, generator=g)[:8].view(2, 4).int().to(DEVICE)
     kv_w, q_w = (1 + 0.2 * torch.randn(512 + 24, generator=g)).to(DEVICE).split([512, 24])
@@ -314,14 +314,17 @@ def _v4_step_inputs(seed: int):
 
 @needs_triton
 @pytest.mark.parametrize("fmt", V4_FORMATS, ids=lambda f: f.name)
-def test_v4_prolog_kernel_writes_what_the_model_ops_write(fmt):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_v4_prolog_kernel_writes_what_the_model_ops_write(fmt, dtype):
     """V4's fused prolog against its torch ops (the norms, RoPE of the trailing 64, the reference writer at the
     block table's slots): the q latent within one rounding, the cache rows equal after decoding (one ulp where a
     norm rounds differently), nothing written outside the written slots (a position past the table: none)."""
     from anymla.layers.v4_kernels import run_v4_prolog
-    kv, kv_w, q_lat, q_w, pos, table = _v4_step_inputs(11)
+    kv, kv_w, q_lat, q_w, pos, table = _v4_step_inputs(11, dtype)
     rope = _table("interleaved")
     ours, ref = _empty_cache(fmt, 8, 4, 512), _empty_cache(fmt, 8, 4, 512)
+    if fmt is F.BF16:  # the layer's dtype
+        ours, ref = ours.to(dtype), ref.to(dtype)
     q_ours = run_v4_prolog("triton", fmt, kv, kv_w, 1e-6, q_lat, q_w, pos, rope, ours, table)
     q_ref = run_v4_prolog("torch", fmt, kv, kv_w, 1e-6, q_lat, q_w, pos, rope, ref, table)
     ulp = 2.0 ** -7
@@ -335,6 +338,7 @@ def test_v4_prolog_kernel_writes_what_the_model_ops_write(fmt):
     untouched = torch.ones(8 * 4, dtype=torch.bool)
     untouched[written.long().cpu()] = False
     blank = _empty_cache(fmt, 8, 4, 512)
+    blank = blank.to(dtype) if fmt is F.BF16 else blank
     for cache in (ours, ref):
         assert torch.equal(kvcache.gather_rows(cache, untouched.nonzero()[:, 0].to(DEVICE), fmt).view(torch.uint8),
                            kvcache.gather_rows(blank, untouched.nonzero()[:, 0].to(DEVICE), fmt).view(torch.uint8))
