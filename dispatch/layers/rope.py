@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from ..problems import first_bad
+
 __all__ = ["RopeTable", "rope_frequencies", "yarn_mscale", "apply_rope"]
 
 STYLES = ("interleaved", "neox")
@@ -105,6 +107,5 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, table: RopeTable) -> to
 def check_positions(positions: torch.Tensor, table: RopeTable, name: str = "positions") -> None:
     """A debug check (it reads ``positions``, :func:`anymla.debug_checks`): every position is a row of the
     table (``[0, max_positions)``). Off, the kernels read the table only at such rows."""
-    from ..problems import first_bad
     first_bad(name, (positions < 0) | (positions >= table.cos.shape[0]), positions,
               f"a token position in [0, {table.cos.shape[0]}) (the layer's RoPE table: max_positions)")
