@@ -500,7 +500,13 @@ def rope_index(ROPE_STYLE: tl.constexpr):
 @triton.jit
 def inv_rms(x, eps, N: tl.constexpr):
     """``rsqrt(mean(x^2) + eps)`` of each row of ``x [R, N]`` (fp32), correctly rounded."""
-    var = tl.sum(x * x, axis=1) / N
+    return inv_rms_of(tl.sum(x * x, axis=1), eps, N)
+
+
+@triton.jit
+def inv_rms_of(sum_sq, eps, N: tl.constexpr):
+    """``rsqrt(sum_sq / N + eps)``, correctly rounded: :func:`inv_rms` of rows whose squares sum to ``sum_sq``."""
+    var = sum_sq / N
     return tl.math.div_rn(tl.full(var.shape, 1.0, tl.float32), tl.sqrt_rn(var + eps))
 
 

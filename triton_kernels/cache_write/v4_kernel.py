@@ -10,8 +10,9 @@ are the torch ops' of :mod:`anymla.layers.v4` and its cache bytes those of the w
 import triton
 import triton.language as tl
 
-from .kernel import (FMT_BF16, FMT_MODEL1_FP8, FMT_V41_FP4, FMT_V41_FP8, bf16_bits, in_table, inv_rms, rope_pairs,
-                     round_to, slot_addresses, store_bytes_le, store_fp4_values, store_fp8_tiles, table_slots)
+from .kernel import (FMT_BF16, FMT_MODEL1_FP8, FMT_V41_FP4, FMT_V41_FP8, bf16_bits, in_table, inv_rms, inv_rms_of,
+                     rope_pairs, round_to, slot_addresses, store_bytes_le, store_fp4_values, store_fp8_tiles,
+                     table_slots)
 
 ROPE_PAIRS = tl.constexpr(32)   # the trailing 64 channels: 32 rotated pairs
 FIRST_ROPE_PAIR = tl.constexpr(224)  # of the 256 pairs of a 512-wide row
@@ -103,8 +104,7 @@ def _heads(x_ptr, x_s_t, x_s_h, n_heads, eps, pos_ptr, cos_ptr, sin_ptr, table_s
         p = tl.arange(0, 256)
         a = tl.load(row + 2 * p[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
         b = tl.load(row + 2 * p[None, :] + 1, mask=hm[:, None], other=0.0).to(tl.float32)
-        var = (tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / 512
-        f = round_to(tl.math.div_rn(tl.full(var.shape, 1.0, tl.float32), tl.sqrt_rn(var + eps)), TY)
+        f = round_to(inv_rms_of(tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1), eps, 512), TY)
         a = round_to(a * f.to(tl.float32)[:, None], TY).to(tl.float32)
         b = round_to(b * f.to(tl.float32)[:, None], TY).to(tl.float32)
         at_t = t + tl.zeros((1,), tl.int32)  # every head of the token at its one position
