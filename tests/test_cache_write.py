@@ -358,7 +358,7 @@ def test_v4_heads_kernel_matches_the_model_ops_and_writes_the_window_slots(norm)
     rope = _table("interleaved")
     rope = rope if norm else RopeTable(rope.cos, -rope.sin, rope.style)
     eps = 1e-6 if norm else None
-    window_of = (table, window, 4) if norm else None
+    window_of = (table, torch.arange(window, device=DEVICE), 4) if norm else None
     ours, slots = run_v4_heads("triton", x.clone(), pos, rope, eps, window_of=window_of)
     want, want_slots = run_v4_heads("torch", x.clone(), pos, rope, eps, window_of=window_of)
     torch.testing.assert_close(ours.float(), want.float(), atol=0, rtol=2.0 ** -7)

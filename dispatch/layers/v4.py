@@ -76,6 +76,7 @@ class _V4Plan(NamedTuple):
     kernels: str  # the layer kernels' implementation: "triton" or "torch"
     kernels_reason: str
     launchers: object  # cache_write.launch.V4StepLaunchers bound to this signature, or None (torch)
+    back: torch.Tensor  # [sliding_window] offsets 0 .. window - 1 of a query's window (positions' dtype)
 
 
 class V4Attention(torch.nn.Module):
@@ -167,7 +168,7 @@ class V4Attention(torch.nn.Module):
         # before it) as cache slots
         q, slots = run_v4_heads(impl, F.linear(q_lat, self.w_q_b).view(t, h, HEAD_DIM), pos, table, eps,
                                 None if bound is None else bound.query,
-                                (block_table, c.sliding_window, kv_cache.shape[1]))
+                                (block_table, plan.back, kv_cache.shape[1]))
         args, kwargs = self._attention_call(plan, q.view(b, s, h, HEAD_DIM), kv_cache, slots)
         o, _ = api.flash_mla_with_kvcache(*args, **kwargs)
         # K = V: the output's rope channels carry the keys' rotations; rotate them back by the query's angle
@@ -250,4 +251,5 @@ class V4Attention(torch.nn.Module):
         if impl == "triton":
             from anymla.triton_kernels.cache_write import launch
             bound = launch.v4_step_launchers(kv_cache.device)
-        return _V4Plan(fmt, get_mla_metadata()[0], impl, reason, bound)
+        back = torch.arange(c.sliding_window, device=kv_cache.device, dtype=positions.dtype)
+        return _V4Plan(fmt, get_mla_metadata()[0], impl, reason, bound, back)

@@ -60,22 +60,22 @@ def run_v4_heads(name: str, x: torch.Tensor, positions: torch.Tensor, rope: Rope
                  bound=None, window_of: Optional[tuple] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The heads ``x [T, h, 512]`` RMS-normed without a weight (where ``eps`` is given), then their rope
     channels rotated at ``positions [T]`` by ``rope``'s angles: ``(heads, slots)``, the heads in place on the
-    Triton tier. ``window_of``: ``(block_table [b, max_blocks], window, page_size)``, the ``T = b * s`` queries
-    in request order: ``slots [b, s, window]`` are each query's window slots (its position and the ``window - 1`` before
-    it; -1 where negative or past the table), computed by the same launch on the Triton tier."""
+    Triton tier. ``window_of``: ``(block_table [b, max_blocks], back [window], page_size)``, the ``T = b * s``
+    queries in request order, ``back`` the offsets ``0 .. window - 1`` in ``positions``' dtype (the caller's, made
+    once): ``slots [b, s, window]`` are each query's window slots (its position and the ``window - 1`` before it;
+    -1 where negative or past the table), computed by the same launch on the Triton tier."""
     if name == "torch":
         heads = rope_tail(x if eps is None else rms_norm_v4(x, None, eps), positions[:, None], rope)
         if window_of is None:
             return heads, None
-        block_table, window, page_size = window_of
+        block_table, back, page_size = window_of
         per_request = positions.view(block_table.shape[0], -1)
-        back = torch.arange(window, device=x.device, dtype=positions.dtype)
         return heads, sparse_slots_reference(per_request[..., None] - back, per_request, block_table, page_size)
     from anymla.triton_kernels.cache_write import launch
     slots = None
     if window_of is not None:
-        block_table, window, page_size = window_of
-        b = block_table.shape[0]
+        block_table, back, page_size = window_of
+        b, window = block_table.shape[0], back.shape[0]
         out = torch.empty(b, x.shape[0] // b, window, dtype=torch.int32, device=x.device)
         slots = launch.WindowSlots(block_table, x.shape[0] // b, window, page_size, out)
     launch.v4_heads(x, positions.contiguous(), rope.cos, rope.sin, eps, bound, slots)
