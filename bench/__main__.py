@@ -52,6 +52,7 @@ except ImportError as missing:
     raise SystemExit(f"python -m anymla.bench needs matplotlib and tqdm ({missing}): pip install 'anymla[bench]'")
 
 import anymla  # noqa: E402
+from anymla import callpath  # noqa: E402
 from anymla.selection import default_device  # noqa: E402
 
 from . import machine, runner, suites  # noqa: E402
@@ -184,6 +185,7 @@ def main(argv=None) -> int:
     print(f"anymla.bench: {len(plan)} shapes x {', '.join(backends)} on {device} ({info.device_name})"
           + (f"; not available here: {', '.join(skipped)} (why: --list)" if skipped else "")
           + (f"; stand-in: {info.stand_in}" if info.stand_in else ""), flush=True)
+    print(callpath.prepare(device), flush=True)
     ceilings = measure_ceilings(device, timer, info.stand_in)
     scale = runner.INTERPRETER_TOLERANCE_SCALE if info.interpreter else 1.0
     os.makedirs(args.out, exist_ok=True)

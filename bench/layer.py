@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 import anymla
+from anymla import callpath
 from anymla.kvcache import KVCacheFormat, cache_slots, quantize
 from anymla.layers import (MLAAttention, MLAConfig, explain_write_cache, mla_forward_eager, write_cache,
                            write_cache_reference)
@@ -389,6 +390,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     tiles = tuple(tuple(int(v) for v in t.split("x")) for t in args.writer_tiles.split(",") if t)
     formats = [KVCacheFormat[f] for f in args.writer_formats.split(",") if f] or list(KVCacheFormat)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(callpath.prepare(device), flush=True)
     if args.host:
         return host_glue(device)
     if args.profile:

@@ -28,6 +28,7 @@ import time
 import torch
 
 import anymla
+from anymla import callpath
 from anymla.kvcache import KVCacheFormat
 from anymla.registry import OPS, Backend
 from anymla.testing import dense_decode_inputs, prefill_inputs, sparse_decode_inputs
@@ -485,6 +486,7 @@ def main() -> None:
             dict(part="dispatch", case="dense decode (meta)", who="anymla", host_us=r["dense_decode_us"])]
     if torch.cuda.is_available():
         device = torch.device("cuda")
+        print(callpath.prepare(device), flush=True)
         if not args.no_cold:
             rows += cold(device)  # first: a new process whose kernels are not compiled yet
         rows += primitives(device) + _launch_sizes(device) + host(device, args.profile, args.steps)

@@ -14,6 +14,8 @@ from typing import Callable, Optional, Tuple, Union
 
 import torch
 
+from . import callpath
+from .buffers import poisoning
 from .metadata import FlashMLASchedMeta
 from .problems import HEAD_DIM_V, SparsePrefill, check_num_splits, check_scale, decode_problem
 from . import library_ops  # noqa: F401  (registers torch.ops.anymla.*)
@@ -66,8 +68,16 @@ def flash_mla_sparse_fwd(
         _check_scale_type("sm_scale", sm_scale)
         return torch.ops.anymla.sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
                                                _backend_arg(backend))
+    entry = callpath.entry_point(backend)
+    if entry is not None:
+        outputs = entry[0](callpath.PREFILL, poisoning(), None, entry[1], q, kv, indices, sm_scale, d_v, attn_sink,
+                           topk_length)
+        if outputs is not None:
+            return outputs
     problem = SparsePrefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
-    return _execute(select(problem, backend), problem)
+    decision = select(problem, backend)
+    return callpath.record(entry, decision, callpath.PREFILL, (q, kv, indices, sm_scale, d_v, attn_sink, topk_length),
+                           lambda: _execute(decision, problem))
 
 
 def flash_mla_with_kvcache(
@@ -130,13 +140,28 @@ def flash_mla_with_kvcache(
                                            extra_indices_in_kvcache, topk_length, extra_topk_length,
                                            bool(enable_batch_invariant), _backend_arg(backend))
         return (out, lse) if indices is None else (out, lse.transpose(1, 2))
+    entry = callpath.entry_point(backend)
+    if entry is not None:
+        outputs = entry[0](callpath.DECODE, poisoning(), tile_scheduler_metadata, entry[1], q, k_cache, block_table,
+                           cache_seqlens, head_dim_v, num_splits, softmax_scale, causal, is_fp8_kvcache, indices,
+                           attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length,
+                           enable_batch_invariant)
+        if outputs is not None:
+            return outputs
     problem = decode_problem(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
                              is_fp8_kvcache, indices, attn_sink, extra_k_cache, extra_indices_in_kvcache,
                              topk_length, extra_topk_length, enable_batch_invariant, tile_scheduler_metadata,
                              num_splits)
-    out, lse = _execute(select(problem, backend), problem)
-    # lse is [b, s_q, h_q]: .mT is its transpose(1, 2), without the argument parsing (~0.3 µs less a call)
-    return (out, lse) if indices is None else (out, lse.mT)
+    decision = select(problem, backend)
+
+    def run():
+        out, lse = _execute(decision, problem)
+        # lse is [b, s_q, h_q]: .mT is its transpose(1, 2), without the argument parsing (~0.3 µs less a call)
+        return (out, lse) if indices is None else (out, lse.mT)
+
+    return callpath.record(entry, decision, callpath.DECODE, (
+        q, k_cache, block_table, cache_seqlens, head_dim_v, num_splits, softmax_scale, causal, is_fp8_kvcache, indices,
+        attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length, enable_batch_invariant), run)
 
 
 def _check_scale_type(name: str, value) -> None:

@@ -18,6 +18,11 @@ def poison_outputs(enabled: bool) -> None:
     _state["poison"] = bool(enabled)
 
 
+def poisoning() -> bool:
+    """Whether buffers are poisoned (see :func:`poison_outputs`)."""
+    return _state["poison"]
+
+
 def empty(*shape: int, dtype: torch.dtype, device) -> torch.Tensor:
     t = torch.empty(*shape, dtype=dtype, device=device)
     if _state["poison"]:

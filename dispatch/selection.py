@@ -228,7 +228,18 @@ def _decision(problem, chosen: str, source: str, reasons: dict, measured: str = 
     plan = impl.plan(problem)
     return Decision(problem.op, chosen, source, str(problem.device), problem.shape_key(), rejected, impl,
                     tuple(impl.caveats(problem.device)), getattr(plan, "description", ""), plan,
-                    problem.sched_config() if hasattr(problem, "sched_config") else None, measured)
+                    _one_object(problem.sched_config()) if hasattr(problem, "sched_config") else None, measured)
+
+
+_CONFIGS: dict = {}
+
+
+def _one_object(config):
+    """One object for equal configurations, so a metadata object bound by one decision is known to fit
+    another's by identity (what the compiled call path tests)."""
+    if len(_CONFIGS) >= _CACHE_LIMIT:
+        _CONFIGS.clear()
+    return _CONFIGS.setdefault(config, config)
 
 
 def select(problem, backend: BackendChoice = None) -> Decision:
@@ -259,7 +270,10 @@ def decisions_made() -> int:
 
 
 def clear_decision_cache() -> None:
+    """Forget every decision, and the compiled call path's entries made from them."""
+    from . import callpath
     _DECISIONS.clear()
+    callpath.clear()
 
 
 def available_backends(device: Union[str, torch.device, None] = None) -> list[str]:

@@ -5,8 +5,9 @@ A server meets a new batch size every few steps. Each new call signature costs o
 launch plan, and the first plan of a kernel regime costs a compile (hundreds of ms to seconds); both land
 on a request's latency. :func:`warmup` takes the arguments of one real call and replays it at every batch size
 of a range (for prefill: every token count), with inputs of the same layouts, so that afterwards no call of
-that configuration validates a new signature, plans or compiles on first use, and the caching allocator
-already holds blocks of every output size. Cache lengths (``cache_seqlens``, ``topk_length`` values) are not
+that configuration validates a new signature, plans or compiles on first use, each has an entry on the
+compiled call path (:mod:`anymla.callpath`, built first if it is not), and the caching allocator already
+holds blocks of every output size. Cache lengths (``cache_seqlens``, ``topk_length`` values) are not
 part of a signature: any value reuses the same plan.
 """
 
@@ -19,6 +20,7 @@ from typing import Callable, Iterable, Union
 import torch
 
 from . import selection
+from . import callpath
 from .api import _OPS, _problem
 
 
@@ -77,6 +79,9 @@ def warmup(op: Union[str, Callable], sizes: Iterable[int] = range(1, 257), **exa
     if not sizes or sizes[0] < 1:
         raise ValueError(f"sizes: expected positive batch sizes, got {sizes[:4]}...")
     _problem(fn, (), example).validate()  # a bad example fails here, naming the argument
+    cache = example.get("k_cache", example.get("kv"))
+    if isinstance(cache, torch.Tensor):
+        callpath.prepare(cache.device)  # so that each replay leaves the compiled call path an entry
     decisions0, kernels0, t0 = selection.decisions_made(), _compiled_kernels(), time.perf_counter()
     device = None
     for n in sizes:

@@ -47,6 +47,9 @@ def _driver():
 
 
 _SEEN: set = set()  # ids of the compiled kernels any Launcher has kept (Triton keeps the kernels alive)
+# anymla.callpath's record of the call it watches, while it watches one: each launch's (compiled kernel as a
+# _Direct, or None where there is none or a launch hook took it, grid, argument list before descriptor encoding).
+RECORDER: list = [None]
 
 
 def compiled_kernels() -> int:
@@ -127,12 +130,14 @@ class Launcher:
         kernel, run = direct.kernel, direct.run
         device, stream = _driver()
         s = stream(device())
-        meta = None
+        meta, handed = None, flat
         if hooked:  # hooks read the launch metadata, which wants the tensors themselves
-            meta, flat, run = kernel.launch_metadata(grid, s, *args), args, kernel.run
+            meta, handed, run = kernel.launch_metadata(grid, s, *args), args, kernel.run
         else:
-            flat = direct.encoded(flat)
-        run(grid[0], grid[1], grid[2], s, kernel.function, kernel.packed_metadata, meta, enter, leave, *flat)
+            handed = direct.encoded(flat)
+        run(grid[0], grid[1], grid[2], s, kernel.function, kernel.packed_metadata, meta, enter, leave, *handed)
+        if RECORDER[0] is not None:
+            RECORDER[0].append((None if hooked else direct, grid, flat))
         return True
 
     def __call__(self, grid: tuple, args: list) -> None:
@@ -141,11 +146,14 @@ class Launcher:
         if self._launch_compiled(grid, args):
             return
         kernel = self.fn[grid](*args, **self.options)
+        direct = None
         if hasattr(kernel, "packed_metadata") and _knobs() is not None:  # not under the interpreter
             if self._pointers is None:
                 self._pointers = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-            self._compiled[self._alignment(args)] = _Direct(kernel)
+            direct = self._compiled[self._alignment(args)] = _Direct(kernel)
             _SEEN.add(id(kernel))
+        if RECORDER[0] is not None:
+            RECORDER[0].append((direct, grid, list(args)))
 
 
 class _Direct:

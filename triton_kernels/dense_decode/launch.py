@@ -109,12 +109,8 @@ class DenseDecodePlan:
         b, s_q, h_q, _ = p.q.shape
         out = buffers.empty(b, s_q, h_q, p.d_v, dtype=p.q.dtype, device=p.device)
         lse = buffers.empty(b, h_q, s_q, dtype=torch.float32, device=p.device)
-        ws = None
-        if self.combine is not None:
-            make = lambda: workspaces(self.num_splits, b * s_q, h_q, p.device)  # noqa: E731
-            # keyed by the split count too: one metadata object may serve calls whose block tables differ in
-            # width (not part of FlashMLA's configuration), and so in split count
-            ws = p.sched.plan_for(("triton", self.num_splits), make) if p.sched is not None else make()
+        # the partials of each call its own (as FlashMLA allocates them): calls on two streams never share them
+        ws = workspaces(self.num_splits, b * s_q, h_q, p.device)
         self.launch(p, self.num_splits, ws, out, lse)
         if self.combine is not None:
             self.combine(ws, out, lse, s_q, (out.stride(0), out.stride(1), out.stride(2)),

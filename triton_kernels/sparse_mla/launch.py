@@ -231,10 +231,7 @@ class SparseDecodePlan:
         x_idx = None if p.extra_indices is None else self.read_x_idx(p.extra_indices)
         out = buffers.empty(b, s_q, h_q, p.d_v, dtype=p.q.dtype, device=p.q.device)
         lse = buffers.empty(b, s_q, h_q, dtype=torch.float32, device=p.q.device)
-        ws = None
-        if self.combine is not None:
-            make = lambda: workspaces(self.num_splits, self.tokens, h_q, p.q.device)  # noqa: E731
-            ws = p.sched.plan_for(("triton", self.num_splits), make) if p.sched is not None else make()
+        ws = workspaces(self.num_splits, self.tokens, h_q, p.q.device)  # each call's own, as in dense decoding
         call = CallTensors(q, p.k_cache, idx, p.topk_length, p.extra_k_cache, x_idx, p.extra_topk_length, p.attn_sink,
                            out, lse, None)
 

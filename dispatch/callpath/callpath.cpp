@@ -1,0 +1,505 @@
+// anymla's compiled call path: a repeated call of a known signature, run without Python.
+//
+// The Python path of a call (validate, select, plan, launch) is made once per call signature and then costs
+// the host tens of microseconds a call in Python: the signature's key, the outputs' allocations, the glue of
+// the plan and Triton's launcher. What a Triton plan does for a signature is fixed: which buffers it
+// allocates (shapes, strides, dtypes), which kernels it launches with which grid, and each kernel parameter,
+// which is either a constant of the signature or the address of one of the call's tensors (an input or an
+// allocation) plus a fixed offset. `anymla.callpath.record` watches one Python-path call and hands that
+// description here (`register`); later calls of the same key (`call`) allocate, write the call's addresses
+// into the kept parameter buffers and launch with cuLaunchKernel, all in C++.
+//
+// A key holds every argument's kind and value as the Python path's decision key does (tensors: dtype,
+// device, sizes, strides and whether the address is 16-byte aligned, which Triton specializes on; ints,
+// bools and floats by value), so a hit is a call the Python path has validated and planned. The scheduling
+// metadata object is not part of the key: a call's object must be unused or bound to the entry's
+// configuration (what FlashMLASchedMeta.bind checks), else the call takes the Python path, which raises.
+// Kernels whose tensor-memory descriptors encode an input's address (the cache) keep one parameter set a
+// cache address ("variants"): a model's layers each pass their own cache with one signature.
+
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <dlfcn.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+using LaunchKernel = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
+                             void**, void**);
+
+struct Patch {
+  uint32_t param;   // the parameter it writes
+  bool allocation;  // an allocation's address (else an input's)
+  uint32_t index;   // the allocation's number, or the input's argument position
+  int64_t offset;   // bytes past that tensor's address
+};
+
+struct Launch {
+  uint64_t function = 0;  // CUfunction
+  unsigned grid[3] = {1, 1, 1};
+  unsigned block = 0;
+  unsigned shared = 0;
+  std::unique_ptr<uint8_t[]> storage;  // every parameter's bytes, 64-byte aligned where a descriptor needs it
+  std::vector<void*> params;           // cuLaunchKernel's array: one pointer a parameter, into storage
+  std::vector<uint32_t> sizes;         // bytes a parameter
+  std::vector<Patch> patches;
+};
+
+struct Allocation {
+  std::vector<int64_t> sizes, strides;
+  at::ScalarType dtype;
+};
+
+struct Output {
+  uint32_t allocation;
+  bool whole;  // the allocation itself (else a view of it)
+  std::vector<int64_t> sizes, strides;
+  int64_t offset;
+};
+
+struct Entry {
+  at::Device device{at::kCPU};
+  std::vector<Allocation> allocations;
+  std::vector<Output> outputs;
+  long desc_input = -1;                                           // argument whose address descriptors encode
+  std::unordered_map<uint64_t, std::vector<Launch>> variants;     // that address (0: none) -> launches
+  PyObject* config = nullptr;                                     // the metadata's configuration (owned)
+  PyObject* keep = nullptr;                                       // what the launches need alive (owned)
+
+  Entry() = default;
+  Entry(const Entry&) = delete;
+  Entry& operator=(const Entry&) = delete;
+  ~Entry() {
+    Py_XDECREF(config);
+    Py_XDECREF(keep);
+  }
+};
+
+constexpr size_t kTableLimit = 4096;
+// Never destroyed: entries hold Python objects, which must not be released after the interpreter is gone.
+auto& g_table = *new std::unordered_map<std::string, std::unique_ptr<Entry>>();
+PyObject* g_get_device = nullptr;     // torch.cuda.current_device's raw form: () -> int
+PyObject* g_get_stream = nullptr;     // (device) -> the current stream's handle
+PyObject* g_test_launcher = nullptr;  // stands for the driver in tests (CPU)
+PyObject* g_str_initialized = nullptr;
+PyObject* g_str_config = nullptr;
+LaunchKernel g_launch = nullptr;
+uint64_t g_hits = 0;  // calls an entry ran
+
+template <typename T>
+void put(std::string& key, T value) {
+  key.append(reinterpret_cast<const char*>(&value), sizeof(T));
+}
+
+// The key of `args` (after the op's tag); false when an argument is of a kind no entry is made for.
+bool build_key(long op, PyObject* const* args, Py_ssize_t n, std::string& key) {
+  put(key, op);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* a = args[i];
+    if (a == Py_None) {
+      key.push_back('N');
+    } else if (THPVariable_Check(a)) {
+      const at::Tensor& t = THPVariable_Unpack(a);
+      key.push_back('T');
+      put(key, static_cast<int8_t>(t.scalar_type()));
+      put(key, static_cast<int8_t>(t.device().type()));
+      put(key, static_cast<int8_t>(t.device().index()));
+      put(key, static_cast<int8_t>(t.dim()));
+      for (int64_t s : t.sizes()) put(key, s);
+      for (int64_t s : t.strides()) put(key, s);
+      put(key, static_cast<int8_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0));
+    } else if (PyBool_Check(a)) {
+      key.push_back(a == Py_True ? 'Y' : 'F');
+    } else if (PyLong_CheckExact(a)) {
+      int overflow = 0;
+      long long v = PyLong_AsLongLongAndOverflow(a, &overflow);
+      if (overflow) return false;
+      key.push_back('I');
+      put(key, v);
+    } else if (PyFloat_CheckExact(a)) {
+      key.push_back('D');
+      put(key, PyFloat_AS_DOUBLE(a));
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
+
+uint64_t address(PyObject* a) {
+  return reinterpret_cast<uint64_t>(THPVariable_Unpack(a).data_ptr());
+}
+
+// Whether a call's scheduling metadata can go with `e` (binding an unused object to e's configuration, as
+// FlashMLASchedMeta.bind does on first use).
+int metadata_fits(PyObject* sched, const Entry& e) {
+  if (sched == Py_None) return 1;
+  if (e.config == nullptr) return 0;
+  PyObject* used = PyObject_GetAttr(sched, g_str_initialized);
+  if (used == nullptr) return -1;
+  int is_used = PyObject_IsTrue(used);
+  Py_DECREF(used);
+  if (is_used < 0) return -1;
+  if (!is_used) {
+    if (PyObject_SetAttr(sched, g_str_config, e.config) < 0) return -1;
+    return PyObject_SetAttr(sched, g_str_initialized, Py_True) < 0 ? -1 : 1;
+  }
+  PyObject* config = PyObject_GetAttr(sched, g_str_config);
+  if (config == nullptr) return -1;
+  // Decisions share one object for equal configurations (anymla.selection), so identity is the usual answer.
+  int same = config == e.config ? 1 : PyObject_RichCompareBool(config, e.config, Py_EQ);
+  Py_DECREF(config);
+  return same;
+}
+
+bool launch_one(Launch& l, void* stream) {
+  if (g_test_launcher != nullptr) {
+    PyObject* params = PyList_New(static_cast<Py_ssize_t>(l.params.size()));
+    if (params == nullptr) return false;
+    for (size_t i = 0; i < l.params.size(); ++i) {
+      PyList_SET_ITEM(params, i, PyBytes_FromStringAndSize(static_cast<const char*>(l.params[i]), l.sizes[i]));
+    }
+    PyObject* r = PyObject_CallFunction(g_test_launcher, "K(III)IIKN", static_cast<unsigned long long>(l.function),
+                                        l.grid[0], l.grid[1], l.grid[2], l.block, l.shared,
+                                        static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(stream)), params);
+    Py_XDECREF(r);
+    return r != nullptr;
+  }
+  if (g_launch == nullptr) {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (lib != nullptr) g_launch = reinterpret_cast<LaunchKernel>(dlsym(lib, "cuLaunchKernel"));
+    if (g_launch == nullptr) {
+      PyErr_SetString(PyExc_RuntimeError, "anymla callpath: the CUDA driver (libcuda.so.1) is not loaded");
+      return false;
+    }
+  }
+  int rc = g_launch(reinterpret_cast<void*>(l.function), l.grid[0], l.grid[1], l.grid[2], l.block, 1, 1, l.shared,
+                    stream, l.params.data(), nullptr);
+  if (rc != 0) {
+    PyErr_Format(PyExc_RuntimeError, "anymla callpath: cuLaunchKernel failed with CUresult %d", rc);
+    return false;
+  }
+  return true;
+}
+
+// call(op, poison, sched, *args) -> the outputs' tuple, or None when no entry fits (the Python path then runs).
+PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (n < 3) {
+    PyErr_SetString(PyExc_TypeError, "call(op, poison, sched, *args)");
+    return nullptr;
+  }
+  long op = PyLong_AsLong(args[0]);
+  if (op == -1 && PyErr_Occurred()) return nullptr;
+  const Py_ssize_t first = 3;
+  std::string key;
+  key.reserve(320);
+  if (!build_key(op, args + first, n - first, key)) Py_RETURN_NONE;
+  auto found = g_table.find(key);
+  if (found == g_table.end()) Py_RETURN_NONE;
+  Entry& e = *found->second;
+  uint64_t variant = e.desc_input < 0 ? 0 : address(args[first + e.desc_input]);
+  auto launches = e.variants.find(variant);
+  if (launches == e.variants.end()) Py_RETURN_NONE;
+  void* stream = nullptr;
+  if (e.device.is_cuda()) {
+    PyObject* dev = PyObject_CallNoArgs(g_get_device);
+    if (dev == nullptr) return nullptr;
+    long index = PyLong_AsLong(dev);
+    if (index != e.device.index()) {
+      Py_DECREF(dev);
+      if (PyErr_Occurred()) return nullptr;
+      Py_RETURN_NONE;  // launched from another current device: the Python path handles it
+    }
+    PyObject* s = PyObject_CallOneArg(g_get_stream, dev);
+    Py_DECREF(dev);
+    if (s == nullptr) return nullptr;
+    stream = reinterpret_cast<void*>(PyLong_AsUnsignedLongLong(s));
+    Py_DECREF(s);
+    if (PyErr_Occurred()) return nullptr;
+  }
+  int fits = metadata_fits(args[2], e);
+  if (fits < 0) return nullptr;
+  if (fits == 0) Py_RETURN_NONE;
+  int poison = PyObject_IsTrue(args[1]);
+  if (poison < 0) return nullptr;
+  std::vector<at::Tensor> allocated;
+  allocated.reserve(e.allocations.size());
+  try {
+    for (const Allocation& a : e.allocations) {
+      allocated.push_back(at::empty_strided(a.sizes, a.strides, at::TensorOptions().dtype(a.dtype).device(e.device)));
+      if (poison) allocated.back().fill_(NAN);  // as anymla.buffers.empty does in poison mode
+    }
+  } catch (const std::exception& ex) {
+    PyErr_SetString(PyExc_RuntimeError, ex.what());
+    return nullptr;
+  }
+  for (Launch& l : launches->second) {
+    for (const Patch& p : l.patches) {
+      uint64_t base = p.allocation ? reinterpret_cast<uint64_t>(allocated[p.index].data_ptr())
+                                   : address(args[first + p.index]);
+      uint64_t value = base + static_cast<uint64_t>(p.offset);
+      std::memcpy(l.params[p.param], &value, sizeof(value));
+    }
+    if (!launch_one(l, stream)) return nullptr;
+  }
+  ++g_hits;
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(e.outputs.size()));
+  if (out == nullptr) return nullptr;
+  for (size_t i = 0; i < e.outputs.size(); ++i) {
+    const Output& o = e.outputs[i];
+    const at::Tensor& a = allocated[o.allocation];
+    PyTuple_SET_ITEM(out, i, THPVariable_Wrap(o.whole ? a : a.as_strided(o.sizes, o.strides, o.offset)));
+  }
+  return out;
+}
+
+bool int64s(PyObject* seq, std::vector<int64_t>& out) {
+  PyObject* fast = PySequence_Fast(seq, "expected a sequence of ints");
+  if (fast == nullptr) return false;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  out.resize(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+  }
+  Py_DECREF(fast);
+  return !PyErr_Occurred();
+}
+
+// One launch from (function, (gx, gy, gz), block, shared, [parameter bytes], [(param, allocation?, index, offset)]).
+bool parse_launch(PyObject* spec, Launch& l) {
+  unsigned long long function;
+  PyObject *params, *patches;
+  if (!PyArg_ParseTuple(spec, "K(III)IIOO", &function, &l.grid[0], &l.grid[1], &l.grid[2], &l.block, &l.shared,
+                        &params, &patches)) {
+    return false;
+  }
+  l.function = function;
+  Py_ssize_t n = PySequence_Size(params);
+  if (n < 0) return false;
+  std::vector<size_t> offsets(n);
+  size_t total = 0;
+  l.sizes.resize(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* b = PySequence_GetItem(params, i);
+    if (b == nullptr || !PyBytes_Check(b)) {
+      Py_XDECREF(b);
+      PyErr_SetString(PyExc_TypeError, "a parameter's value must be bytes");
+      return false;
+    }
+    l.sizes[i] = static_cast<uint32_t>(PyBytes_GET_SIZE(b));
+    size_t align = l.sizes[i] >= 64 ? 64 : 8;
+    total = (total + align - 1) / align * align;
+    offsets[i] = total;
+    total += l.sizes[i];
+    Py_DECREF(b);
+  }
+  l.storage.reset(new uint8_t[total + 64]);
+  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(l.storage.get()) + 63) / 64 * 64);
+  l.params.resize(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* b = PySequence_GetItem(params, i);
+    std::memcpy(base + offsets[i], PyBytes_AS_STRING(b), l.sizes[i]);
+    Py_DECREF(b);
+    l.params[i] = base + offsets[i];
+  }
+  PyObject* fast = PySequence_Fast(patches, "patches: expected a sequence");
+  if (fast == nullptr) return false;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
+    unsigned param, index;
+    int allocation;
+    long long offset;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "IpIL", &param, &allocation, &index, &offset)) {
+      Py_DECREF(fast);
+      return false;
+    }
+    if (param >= l.params.size() || l.sizes[param] != 8) {
+      Py_DECREF(fast);
+      PyErr_SetString(PyExc_ValueError, "a patch must name an 8-byte parameter");
+      return false;
+    }
+    l.patches.push_back({param, allocation != 0, index, offset});
+  }
+  Py_DECREF(fast);
+  return true;
+}
+
+// register(op, args, device, allocations, outputs, desc_input, launches, config, keep): make (or extend with a
+// new descriptor variant) the entry of `args`' key. allocations: [(sizes, strides, dtype)]; outputs:
+// [(allocation, sizes, strides, offset)] (sizes None: the allocation itself); launches: see parse_launch.
+PyObject* register_entry(PyObject*, PyObject* args) {
+  long op, desc_input;
+  PyObject *call_args, *device, *allocations, *outputs, *launches, *config, *keep;
+  if (!PyArg_ParseTuple(args, "lO!OOOlOOO", &op, &PyTuple_Type, &call_args, &device, &allocations, &outputs,
+                        &desc_input, &launches, &config, &keep)) {
+    return nullptr;
+  }
+  std::string key;
+  if (!build_key(op, &PyTuple_GET_ITEM(call_args, 0), PyTuple_GET_SIZE(call_args), key)) {
+    PyErr_SetString(PyExc_TypeError, "register: an argument of a kind calls are not keyed on");
+    return nullptr;
+  }
+  const char* type;
+  int index;
+  if (!PyArg_ParseTuple(device, "si", &type, &index)) return nullptr;
+  auto entry = std::make_unique<Entry>();
+  try {
+    entry->device = at::Device(std::string(type) + (std::strcmp(type, "cpu") ? ":" + std::to_string(index) : ""));
+  } catch (const std::exception& ex) {
+    PyErr_SetString(PyExc_ValueError, ex.what());
+    return nullptr;
+  }
+  entry->desc_input = desc_input;
+  PyObject* fast = PySequence_Fast(allocations, "allocations: expected a sequence");
+  if (fast == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
+    PyObject *sizes, *strides, *dtype;
+    Allocation a;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "OOO!", &sizes, &strides, &THPDtypeType, &dtype) ||
+        !int64s(sizes, a.sizes) || !int64s(strides, a.strides)) {
+      Py_DECREF(fast);
+      return nullptr;
+    }
+    a.dtype = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
+    entry->allocations.push_back(std::move(a));
+  }
+  Py_DECREF(fast);
+  fast = PySequence_Fast(outputs, "outputs: expected a sequence");
+  if (fast == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
+    PyObject *sizes, *strides;
+    Output o;
+    long long offset;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "IOOL", &o.allocation, &sizes, &strides, &offset)) {
+      Py_DECREF(fast);
+      return nullptr;
+    }
+    o.whole = sizes == Py_None;
+    o.offset = offset;
+    if (o.allocation >= entry->allocations.size() ||
+        (!o.whole && (!int64s(sizes, o.sizes) || !int64s(strides, o.strides)))) {
+      Py_DECREF(fast);
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "an output names no allocation");
+      return nullptr;
+    }
+    entry->outputs.push_back(std::move(o));
+  }
+  Py_DECREF(fast);
+  PyObject *variant_address, *specs;
+  if (!PyArg_ParseTuple(launches, "OO", &variant_address, &specs)) return nullptr;
+  uint64_t variant = PyLong_AsUnsignedLongLong(variant_address);
+  if (PyErr_Occurred()) return nullptr;
+  std::vector<Launch> parsed;
+  fast = PySequence_Fast(specs, "launches: expected a sequence");
+  if (fast == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
+    parsed.emplace_back();
+    if (!parse_launch(PySequence_Fast_GET_ITEM(fast, i), parsed.back())) {
+      Py_DECREF(fast);
+      return nullptr;
+    }
+    for (const Patch& p : parsed.back().patches) {
+      size_t bound = p.allocation ? entry->allocations.size() : static_cast<size_t>(PyTuple_GET_SIZE(call_args));
+      if (p.index >= bound) {
+        Py_DECREF(fast);
+        PyErr_SetString(PyExc_ValueError, "a patch names no allocation or argument");
+        return nullptr;
+      }
+    }
+  }
+  Py_DECREF(fast);
+  auto found = g_table.find(key);
+  if (found != g_table.end() && found->second->desc_input == desc_input && desc_input >= 0) {
+    found->second->variants[variant] = std::move(parsed);  // a new cache address of a known signature
+    Py_RETURN_NONE;
+  }
+  if (g_table.size() >= kTableLimit) g_table.clear();
+  entry->variants[variant] = std::move(parsed);
+  if (config != Py_None) {
+    Py_INCREF(config);
+    entry->config = config;
+  }
+  Py_INCREF(keep);
+  entry->keep = keep;
+  g_table[key] = std::move(entry);
+  Py_RETURN_NONE;
+}
+
+// has(op, args) -> whether an entry (and, for descriptor kernels, the variant of args' cache) exists.
+PyObject* has(PyObject*, PyObject* args) {
+  long op;
+  PyObject* call_args;
+  if (!PyArg_ParseTuple(args, "lO!", &op, &PyTuple_Type, &call_args)) return nullptr;
+  std::string key;
+  if (!build_key(op, &PyTuple_GET_ITEM(call_args, 0), PyTuple_GET_SIZE(call_args), key)) Py_RETURN_FALSE;
+  auto found = g_table.find(key);
+  if (found == g_table.end()) Py_RETURN_FALSE;
+  const Entry& e = *found->second;
+  uint64_t variant = e.desc_input < 0 ? 0 : address(PyTuple_GET_ITEM(call_args, e.desc_input));
+  return PyBool_FromLong(e.variants.count(variant));
+}
+
+PyObject* clear(PyObject*, PyObject*) {
+  g_table.clear();
+  Py_RETURN_NONE;
+}
+
+PyObject* size(PyObject*, PyObject*) { return PyLong_FromSize_t(g_table.size()); }
+
+PyObject* hits(PyObject*, PyObject*) { return PyLong_FromUnsignedLongLong(g_hits); }
+
+// configure(get_device, get_stream, test_launcher): the current device's and stream's readers, and (tests on
+// the CPU only) a callable that stands for cuLaunchKernel, or None.
+PyObject* configure(PyObject*, PyObject* args) {
+  PyObject *get_device, *get_stream, *test_launcher;
+  if (!PyArg_ParseTuple(args, "OOO", &get_device, &get_stream, &test_launcher)) return nullptr;
+  Py_INCREF(get_device);
+  Py_INCREF(get_stream);
+  Py_XSETREF(g_get_device, get_device);
+  Py_XSETREF(g_get_stream, get_stream);
+  if (test_launcher == Py_None) {
+    Py_CLEAR(g_test_launcher);
+  } else {
+    Py_INCREF(test_launcher);
+    Py_XSETREF(g_test_launcher, test_launcher);
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef methods[] = {
+    {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(call)), METH_FASTCALL,
+     "call(op, poison, sched, *args): the outputs, or None when no entry fits"},
+    {"register", register_entry, METH_VARARGS, "register(op, args, device, allocations, outputs, desc_input, "
+                                               "(variant, launches), config, keep)"},
+    {"has", has, METH_VARARGS, "has(op, args): whether a call of args would find an entry"},
+    {"clear", clear, METH_NOARGS, "forget every entry"},
+    {"size", size, METH_NOARGS, "how many entries there are"},
+    {"hits", hits, METH_NOARGS, "how many calls entries have run"},
+    {"configure", configure, METH_VARARGS, "configure(get_device, get_stream, test_launcher)"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+#define ANYMLA_STR2(x) #x
+#define ANYMLA_STR(x) ANYMLA_STR2(x)
+PyModuleDef module = {PyModuleDef_HEAD_INIT, ANYMLA_STR(TORCH_EXTENSION_NAME), nullptr, -1, methods};
+
+}  // namespace
+
+#define ANYMLA_INIT2(name) PyInit_##name
+#define ANYMLA_INIT(name) ANYMLA_INIT2(name)
+
+PyMODINIT_FUNC ANYMLA_INIT(TORCH_EXTENSION_NAME)() {
+  g_str_initialized = PyUnicode_InternFromString("have_initialized");
+  g_str_config = PyUnicode_InternFromString("config");
+  return PyModule_Create(&module);
+}

@@ -1,0 +1,83 @@
+"""Building and loading ``callpath.cpp``, the compiled call path, with why it is not there when it is not.
+
+It is a small CPython extension against torch's headers, built on first need with torch's own extension
+builder (a C++ compiler and ninja; ~20 s, then cached by torch in ``~/.cache/torch_extensions``). The build
+runs in a background thread so that no call waits for it: until it is done, calls take the Python path.
+``ANYMLA_CALLPATH=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import threading
+from typing import Optional
+
+import torch
+
+SOURCE = pathlib.Path(__file__).with_name("callpath.cpp")
+_state: dict = {"module": None, "reason": "not built yet", "thread": None}
+_lock = threading.Lock()
+
+
+def module():
+    """The loaded extension, or None (see :func:`reason`)."""
+    return _state["module"]
+
+
+def reason() -> str:
+    """Why there is no loaded extension ("" when there is)."""
+    return "" if _state["module"] is not None else _state["reason"]
+
+
+def _why_not_buildable() -> Optional[str]:
+    if os.environ.get("ANYMLA_CALLPATH") == "0":
+        return "turned off (ANYMLA_CALLPATH=0)"
+    try:
+        import ninja  # the PyPI package puts its binary beside itself, not on PATH
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    if shutil.which("ninja") is None:
+        return "ninja is not installed (pip install ninja), which torch's extension builder needs"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler (c++, or $CXX) to build callpath.cpp with"
+    return None
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+    try:
+        mod = cpp_extension.load(name="anymla_callpath", sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False)
+    except Exception as e:  # a failed build leaves the Python path, which always works, and says why
+        _state["reason"] = f"building {SOURCE.name} failed: {str(e).strip().splitlines()[-1] if str(e) else e!r}"
+        return
+    configure(mod)
+    _state["module"] = mod
+
+
+def configure(mod, test_launcher=None) -> None:
+    """Hand the extension the current device's and stream's readers (CUDA builds of torch) and, for tests on
+    the CPU only, a stand-in for the driver's launch: ``test_launcher(function, grid, block, shared, stream,
+    params)`` with each parameter's bytes."""
+    get_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+    get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or \
+        (lambda index: torch.cuda.current_stream(index).cuda_stream)
+    mod.configure(get_device, get_stream, test_launcher)
+
+
+def build(wait: bool = False) -> None:
+    """Start building the extension (once; nothing when it is built or cannot be); ``wait`` for it."""
+    with _lock:
+        if _state["module"] is None and _state["thread"] is None:
+            why = _why_not_buildable()
+            if why:
+                _state["reason"] = why
+                return
+            _state["reason"] = "being built"
+            _state["thread"] = threading.Thread(target=_build, name="anymla-callpath-build", daemon=True)
+            _state["thread"].start()
+        thread = _state["thread"]
+    if wait and thread is not None:
+        thread.join()

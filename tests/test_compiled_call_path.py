@@ -1,0 +1,331 @@
+"""The compiled call path (``anymla.callpath``): a repeated call runs in C++ what the Python path runs.
+
+On the CPU (Triton's interpreter) no kernel is compiled, so these tests stand in for compiled kernels: a
+first launch runs the kernel in the interpreter and hands back a stand-in whose launcher records what it is
+given; the C++ entry point's launches go to a stand-in for the driver, which records each parameter's bytes.
+A call through the C++ entry point must then launch the same kernels, over the same grids, with the same
+parameters as the Python path given the same tensors: the call's own addresses where the Python path puts
+them, every other parameter equal. On a GPU the same calls are compared by their results (further below).
+"""
+
+import functools
+import inspect
+import itertools
+import math
+import struct
+import types
+
+import pytest
+import torch
+
+import anymla
+from anymla import buffers, callpath, kvcache, selection
+from anymla.callpath import native
+from anymla.callpath.record import ptx_param_sizes
+from anymla.testing import device_under_test
+
+DEVICE = device_under_test()
+cpu_only = pytest.mark.skipif(DEVICE.type != "cpu", reason="stand-in kernels are for the interpreter (CPU)")
+_ids = itertools.count(1000)
+_PTX_TYPE = {"i1": ".u8", "i32": ".u32", "i64": ".u64", "fp32": ".f32"}
+
+
+def _param_type(annotation, value) -> str:
+    """The type Triton's signature gives an argument (None and constexprs are constants of the kernel)."""
+    import triton.language as tl
+    if annotation is tl.constexpr or value is None:
+        return "constexpr"
+    if isinstance(value, torch.Tensor):
+        return "*" + str(value.dtype).removeprefix("torch.")
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+    return "fp32"
+
+
+class _Kernel:
+    """Stands for a compiled kernel: its signature, metadata and PTX entry as Triton's would read; its
+    launcher records the arguments of each launch."""
+
+    def __init__(self, fn, args, options, launches):
+        params = inspect.signature(fn.fn).parameters
+        self.types = [_param_type(p.annotation, a) for p, a in zip(params.values(), args)]
+        self.src = types.SimpleNamespace(signature=dict(zip(params, self.types)))
+        self.function, self.packed_metadata = next(_ids), (options.get("num_warps", 4), 1, 0)
+        self.metadata = types.SimpleNamespace(num_warps=options.get("num_warps", 4), num_ctas=1, shared=0,
+                                              global_scratch_size=0, profile_scratch_size=0, tensordesc_meta=None)
+        decls = [".u64 .ptr .global .align 1" if t.startswith("*") else _PTX_TYPE[t]
+                 for t in self.types if t != "constexpr"] + [".u64 .ptr .global .align 1"] * 2
+        self.asm = {"ptx": ".visible .entry k(\n" + ",\n".join(f"\t.param {d} k_param_{i}" for i, d in
+                                                              enumerate(decls)) + "\n)\n{\n}\n"}
+        self.launches = launches
+
+    def run(self, gx, gy, gz, stream, function, packed, meta, enter, leave, *args):
+        values = [a for t, a in zip(self.types, args) if t != "constexpr"]
+        self.launches.append((function, (gx, gy, gz), values + [0, 0]))
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+
+class _StandIn:
+    """Stands for a ``@triton.jit`` function compiled for a GPU: ``fn[grid](*args)`` runs the kernel in the
+    interpreter (outside any watch: the interpreter's own torch ops are no part of the call) and hands back a
+    stand-in compiled kernel."""
+
+    def __init__(self, fn, launches):
+        self.fn, self.launches = fn, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **options):
+            from torch.utils._python_dispatch import _disable_current_modes
+            with _disable_current_modes():
+                self.fn[grid](*args, num_warps=options.get("num_warps", 4))
+            return _Kernel(self.fn, args, options, self.launches)
+        return launch
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """Stand-in compiled kernels and driver; yields (Python-path launches, C++ launches)."""
+    why = native._why_not_buildable()
+    if why:
+        pytest.skip(why)
+    native.build(wait=True)
+    assert native.module() is not None, native.reason()
+    from anymla.triton_kernels import launcher
+    python_launches, cpp_launches = [], []
+    init = launcher.Launcher.__init__
+    monkeypatch.setattr(launcher.Launcher, "__init__", lambda self, fn, **o: init(self, _StandIn(fn, python_launches), **o))
+    monkeypatch.setattr(launcher, "_driver", lambda: (lambda: 0, lambda device: 0))
+    monkeypatch.setitem(callpath._state, "test_device", True)
+    native.configure(native.module(), lambda function, grid, block, shared, stream, params:
+                     cpp_launches.append((function, grid, [_value(p) for p in params])))
+    selection.clear_decision_cache()
+    yield python_launches, cpp_launches
+    selection.clear_decision_cache()
+    native.configure(native.module())
+
+
+def _value(raw: bytes):
+    return struct.unpack({8: "<Q", 4: "<i", 1: "<b"}[len(raw)], raw)[0]
+
+
+def _sparse_decode_args(fmt=kvcache.KVCacheFormat.V32_FP8, h=16, topk=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b, s_q, nb, page = 2, 1, 8, 64
+    d = 576 if fmt is kvcache.KVCacheFormat.V32_FP8 else 512
+    kv = torch.randn(nb, page, 1, d, generator=g).to(torch.bfloat16)
+    cache = kvcache.quantize(kv, fmt)
+    q = torch.randn(b, s_q, h, d, generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, nb * page, (b, s_q, topk), generator=g, dtype=torch.int32)
+    return (q, cache, None, None, 512, anymla.get_mla_metadata()[0]), dict(softmax_scale=0.07, is_fp8_kvcache=True,
+                                                                        indices=idx)
+
+
+def _dense_decode_args(seed=0, h=16):
+    g = torch.Generator().manual_seed(seed)
+    b, s_q, nb, page = 2, 2, 6, 64
+    q = torch.randn(b, s_q, h, 576, generator=g).to(torch.bfloat16)
+    cache = torch.randn(nb, page, 1, 576, generator=g).to(torch.bfloat16)
+    table = torch.randperm(nb, generator=g).to(torch.int32).view(b, nb // b)
+    lens = torch.tensor([150, 97], dtype=torch.int32)
+    return (q, cache, table, lens, 512, anymla.get_mla_metadata()[0]), dict(causal=True)
+
+
+def _prefill_args(seed=0, s_kv=256):
+    g = torch.Generator().manual_seed(seed)
+    s_q, h, topk = 8, 16, 64
+    q = torch.randn(s_q, h, 576, generator=g).to(torch.bfloat16)
+    kv = torch.randn(s_kv, 1, 576, generator=g).to(torch.bfloat16)
+    idx = torch.randint(-1, max(s_kv, 1), (s_q, 1, topk), generator=g, dtype=torch.int32)
+    return (q, kv, idx, 0.07), {}
+
+
+CALLS = {
+    "sparse decode V3.2": (anymla.flash_mla_with_kvcache, _sparse_decode_args, {}),
+    "sparse decode V3.2, 2 splits": (anymla.flash_mla_with_kvcache, _sparse_decode_args, dict(num_splits=2)),
+    "dense decode, 3 splits": (anymla.flash_mla_with_kvcache, _dense_decode_args, dict(num_splits=3)),
+    # on Hopper the kernels of tensor-memory descriptors (dense, 64 heads) and of the MODEL1 cache
+    "dense decode h64": (anymla.flash_mla_with_kvcache, functools.partial(_dense_decode_args, h=64), {}),
+    "sparse decode MODEL1 h64": (anymla.flash_mla_with_kvcache, functools.partial(
+        _sparse_decode_args, kvcache.KVCacheFormat.MODEL1_FP8, 64), {}),
+    "sparse prefill": (anymla.flash_mla_sparse_fwd, _prefill_args, {}),
+}
+
+
+def _fresh(make, seed):
+    """Arguments of the same signature at new addresses (the cache too)."""
+    return make(seed=seed)
+
+
+def _roles(launches, tensors: dict):
+    """Each launch parameter of a call as the Python path and the C++ path must agree on it: an address as
+    (which of the call's tensors, offset) where it lies in one, an address in none (a workspace the call
+    allocated) by the order it first appears in, anything else as its value."""
+    spans = [(name, t.data_ptr(), t.untyped_storage().nbytes()) for name, t in tensors.items()]
+    internal, out = {}, []
+    for values in launches:
+        for v in values:
+            hit = [(name, v - base) for name, base, size in spans if v and base <= v < base + size]
+            if not hit and v > 2 ** 32:  # no scalar parameter is this large: an address
+                hit = [("workspace", internal.setdefault(v, len(internal)))]
+            out.append(hit[0] if hit else ("value", v))
+    return out
+
+
+def _tensors(args, kwargs, outputs) -> dict:
+    named = {f"arg{i}": a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+    named.update({k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
+    named.update({f"out{i}": o for i, o in enumerate(outputs)})
+    return named
+
+
+@cpu_only
+@pytest.mark.parametrize("name", list(CALLS))
+def test_a_repeated_call_launches_in_cpp_what_the_python_path_launches(stand_ins, name):
+    python_launches, cpp_launches = stand_ins
+    fn, make, forced = CALLS[name]
+    from anymla.triton_kernels import tuning
+    # Tensor-memory descriptors are encoded by Triton's launcher, which these stand-ins do not have: the
+    # interpreter's calls pass none (on a GPU the descriptor kernels are checked by their results, below).
+    with anymla.use_backend("triton"), tuning.forced(tma=False, **forced):
+        args, kwargs = make()
+        fn(*args, **kwargs)  # the first call: planned, compiled (interpreted here), made an entry
+        assert native.module().size() == 1, callpath.refusals()
+        args, kwargs = _fresh(make, 1)
+        python_launches.clear()
+        with anymla.debug_checks():  # debug checks keep the Python path
+            expected = fn(*args, **kwargs)
+        assert not cpp_launches and python_launches
+        got = fn(*args, **kwargs)
+    assert [(f, tuple(g)) for f, g, _ in python_launches] == [(f, tuple(g)) for f, g, _ in cpp_launches]
+
+    def as_ints(values):  # a float parameter (the scale) comes back from the C++ path as its 32-bit pattern
+        values = [v.data_ptr() if isinstance(v, torch.Tensor) else 0 if v is None else v for v in values]
+        return [struct.unpack("<i", struct.pack("<f", v))[0] if isinstance(v, float) else int(v) for v in values]
+
+    assert _roles([as_ints(v) for _, _, v in python_launches], _tensors(args, kwargs, expected)) == \
+        _roles([v for _, _, v in cpp_launches], _tensors(args, kwargs, got))
+    for e, g in zip(expected, got):
+        assert (e.shape, e.stride(), e.dtype) == (g.shape, g.stride(), g.dtype)
+        assert e.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()
+
+
+@cpu_only
+def test_poisoned_outputs_on_the_compiled_path(stand_ins):
+    """In poison mode (every test here) the entry's buffers start as NaN too: the stand-in launches write
+    nothing, so the outputs must be all NaN."""
+    assert buffers.poisoning()
+    with anymla.use_backend("triton"):
+        args, kwargs = _sparse_decode_args()
+        anymla.flash_mla_with_kvcache(*args, **kwargs)
+        out, lse = anymla.flash_mla_with_kvcache(*args, **kwargs)
+    assert stand_ins[1] and out.isnan().all() and lse.isnan().all()
+
+
+@cpu_only
+def test_no_entry_where_the_python_path_does_more_than_launch(stand_ins):
+    """Prefill over an empty kv fills its outputs with torch ops and launches nothing: no entry (it would not
+    repeat the fills), the refusal says why, and every call keeps the Python path's results."""
+    with anymla.use_backend("triton"):
+        args, _ = _prefill_args(s_kv=0)
+        for _ in range(2):
+            out, max_logits, lse = anymla.flash_mla_sparse_fwd(*args)
+            assert (out == 0).all() and (lse == math.inf).all() and (max_logits == -math.inf).all()
+    assert native.module().size() == 0
+    assert any("aten.zero_" in r or "aten.fill_" in r for r in callpath.refusals()), callpath.refusals()
+
+
+@cpu_only
+def test_entries_follow_the_call_key_and_the_selection_scope(stand_ins):
+    _, cpp_launches = stand_ins
+    args, kwargs = _sparse_decode_args()
+    mod = native.module()
+
+    def call(**changes):
+        cpp_launches.clear()
+        anymla.flash_mla_with_kvcache(*args, **{**kwargs, **changes})
+        return len(cpp_launches)
+
+    with anymla.use_backend("triton"):
+        assert call() == 0 and call() == 1
+        assert call(softmax_scale=0.08) == 0 and mod.size() == 2, "another scale: another key"
+        with pytest.raises(ValueError, match="softmax_scale"):
+            call(softmax_scale=float("nan"))
+        with anymla.debug_checks():
+            assert call() == 0, "debug checks read the data: the Python path"
+    with anymla.use_backend("triton,reference"):
+        assert call() == 0 and call() == 1 and mod.size() == 3, "another scope: its own entry"
+    anymla.load_tuning(None)  # a new tuning version: the dispatcher decides afresh, and every entry goes
+    with anymla.use_backend("triton"):
+        assert call() == 0 and mod.size() == 1
+
+
+@cpu_only
+def test_scheduling_metadata_is_bound_as_the_python_path_binds_it(stand_ins):
+    _, cpp_launches = stand_ins
+    args, kwargs = _sparse_decode_args()
+    with anymla.use_backend("triton"):
+        anymla.flash_mla_with_kvcache(*args, **kwargs)
+        fresh = anymla.get_mla_metadata()[0]
+        anymla.flash_mla_with_kvcache(*args[:5], fresh, **kwargs)
+        assert cpp_launches and fresh.have_initialized and fresh.config is args[5].config
+        other_args, other_kwargs = _sparse_decode_args(h=32)
+        with pytest.raises(ValueError, match="tile_scheduler_metadata"):
+            anymla.flash_mla_with_kvcache(*other_args[:5], fresh, **other_kwargs)
+
+
+def test_ptx_parameters_are_read_in_order_with_their_sizes():
+    """The form of Triton's PTX entries (pointers, 32-bit ints and floats, bytes, 64-bit ints, a 128-byte
+    tensor map)."""
+    ptx = """//
+.visible .entry sparse_kernel(
+\t.param .u64 .ptr .global .align 1 sparse_kernel_param_0,
+\t.param .u32 sparse_kernel_param_1,
+\t.param .align 64 .b8 sparse_kernel_param_2[128],
+\t.param .f32 sparse_kernel_param_3,
+\t.param .u8 sparse_kernel_param_4,
+\t.param .u64 sparse_kernel_param_5,
+\t.param .u64 .ptr .global .align 1 sparse_kernel_param_6
+)
+.reqntid 128
+{
+\t.reg .pred \t%p<2>;
+"""
+    assert ptx_param_sizes(ptx) == [8, 4, 128, 4, 1, 8, 8]
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA GPU: compiled kernels")
+@pytest.mark.parametrize("name", list(CALLS))
+@pytest.mark.parametrize("kernels", ["default", "portable"])
+def test_the_compiled_path_gives_the_python_paths_results_bit_for_bit(name, kernels):
+    """On the GPU: a call through the entry point returns exactly what the Python path returns for the same
+    inputs (the same kernels and parameters), and both agree with the reference."""
+    native.build(wait=True)
+    assert native.module() is not None, native.reason()
+    from anymla.triton_kernels import tuning
+    fn, make, forced = CALLS[name]
+    forced = dict(forced, warp_specialized=False) if kernels == "portable" else forced
+
+    def on_gpu(args, kwargs):
+        move = lambda a: a.to(DEVICE) if isinstance(a, torch.Tensor) else a  # noqa: E731
+        return [move(a) for a in args], {k: move(v) for k, v in kwargs.items()}
+
+    with anymla.use_backend("triton"), tuning.forced(**forced):
+        args, kwargs = on_gpu(*make())
+        fn(*args, **kwargs)
+        args, kwargs = on_gpu(*_fresh(make, 1))
+        with anymla.debug_checks():
+            expected = fn(*args, **kwargs)
+        hits = native.module().hits()
+        got = fn(*args, **kwargs)
+        assert native.module().hits() == hits + 1, callpath.refusals()
+    with anymla.use_backend("reference"):
+        reference = fn(*args, **kwargs)
+    for e, g, r in zip(expected, got, reference):
+        assert torch.equal(e, g) or (e.isnan() == g.isnan()).all() and torch.equal(e.nan_to_num(), g.nan_to_num())
+        finite = r.isfinite()
+        assert torch.equal(finite, g.isfinite())
+        torch.testing.assert_close(g[finite].float(), r[finite].float(), atol=2e-2, rtol=2e-2)
