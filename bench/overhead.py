@@ -424,6 +424,10 @@ def _first_calls(big: dict, sizes, device) -> tuple[list, int]:
     from anymla.triton_kernels.launcher import compiled_kernels
     kernels0, times = compiled_kernels(), []
     flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
+    # The GPU kept busy for a while first: after a warmup's seconds of host work its clocks are down, and the
+    # first sizes would be timed while they come up again (a serving GPU is busy).
+    for _ in range(200):
+        flush.zero_()
     for b in sizes:
         a = {k: (v[:b] if k in _PER_REQUEST else v) for k, v in big.items()}
         run = []

@@ -261,6 +261,15 @@ def test_entries_follow_the_call_key_and_the_selection_scope(stand_ins):
     anymla.load_tuning(None)  # a new tuning version: the dispatcher decides afresh, and every entry goes
     with anymla.use_backend("triton"):
         assert call() == 0 and mod.size() == 1
+        anymla.register_backend(_Extra())  # so does a change of the registry
+        try:
+            assert call() == 0 and mod.size() == 1 and call() == 1
+        finally:
+            anymla.unregister_backend(_Extra.name)
+
+
+class _Extra(anymla.Backend):
+    name, ops, device_types = "callpath-test-extra", frozenset(), ("cpu",)
 
 
 @cpu_only
@@ -317,6 +326,7 @@ def test_the_compiled_path_gives_the_python_paths_results_bit_for_bit(name, kern
         args, kwargs = on_gpu(*make())
         fn(*args, **kwargs)
         args, kwargs = on_gpu(*_fresh(make, 1))
+        fn(*args, **kwargs)  # a new cache: kernels of tensor-memory descriptors (which encode it) record it
         with anymla.debug_checks():
             expected = fn(*args, **kwargs)
         hits = native.module().hits()
