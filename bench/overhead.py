@@ -424,8 +424,12 @@ def _first_calls(big: dict, sizes, device) -> tuple[list, int]:
     from anymla.triton_kernels.launcher import compiled_kernels
     kernels0, times = compiled_kernels(), []
     flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
-    # The GPU kept busy for a while first: after a warmup's seconds of host work its clocks are down, and the
-    # first sizes would be timed while they come up again (a serving GPU is busy).
+    # The GPU kept busy for a while first (after a warmup's seconds of host work its clocks are down, and the
+    # first sizes would be timed while they come up again), and the server's tensors read once (a serving
+    # process touches its cache every step; a warmup's replays, with nothing attendable, read none of it).
+    for t in big.values():
+        if isinstance(t, torch.Tensor):
+            t.view(torch.uint8).sum() if t.is_contiguous() else t.sum()
     for _ in range(200):
         flush.zero_()
     for b in sizes:

@@ -76,8 +76,8 @@ def flash_mla_sparse_fwd(
             return outputs
     problem = SparsePrefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
     decision = select(problem, backend)
-    return callpath.record(entry, decision, callpath.PREFILL, (q, kv, indices, sm_scale, d_v, attn_sink, topk_length),
-                           lambda: _execute(decision, problem))
+    return callpath.record(entry, decision, callpath.PREFILL, problem,
+                           (q, kv, indices, sm_scale, d_v, attn_sink, topk_length), lambda: _execute(decision, problem))
 
 
 def flash_mla_with_kvcache(
@@ -159,7 +159,7 @@ def flash_mla_with_kvcache(
         # lse is [b, s_q, h_q]: .mT is its transpose(1, 2), without the argument parsing (~0.3 µs less a call)
         return (out, lse) if indices is None else (out, lse.mT)
 
-    return callpath.record(entry, decision, callpath.DECODE, (
+    return callpath.record(entry, decision, callpath.DECODE, problem, (
         q, k_cache, block_table, cache_seqlens, head_dim_v, num_splits, softmax_scale, causal, is_fp8_kvcache, indices,
         attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length, enable_batch_invariant), run)
 

@@ -73,6 +73,13 @@ class Backend:
         """The op's outputs for ``problem``; ``plan`` is what :meth:`plan` made for its signature."""
         return getattr(self, problem.op)(problem)
 
+    def entry(self, problem, plan):
+        """For the compiled call path (:mod:`anymla.callpath`): a function running every call of
+        ``problem``'s signature as the public function would (taking the scheduling metadata, or None, then
+        the public function's arguments in order, and returning its outputs), without the problem record and
+        the dispatcher; None where calls keep that path. The Triton tier's calls get entries of their own."""
+        return None
+
 
 _REGISTRY: dict[str, Backend] = {}
 # Bumped on every change, so cached dispatch decisions never call a backend that was replaced or removed.

@@ -87,25 +87,32 @@ class _StandIn:
 
 
 @pytest.fixture
-def stand_ins(monkeypatch):
-    """Stand-in compiled kernels and driver; yields (Python-path launches, C++ launches)."""
+def compiled_path(monkeypatch):
+    """The extension built, entries made for CPU calls, a stand-in for the driver; yields the C++ launches."""
     why = native._why_not_buildable()
     if why:
         pytest.skip(why)
     native.build(wait=True)
     assert native.module() is not None, native.reason()
-    from anymla.triton_kernels import launcher
-    python_launches, cpp_launches = [], []
-    init = launcher.Launcher.__init__
-    monkeypatch.setattr(launcher.Launcher, "__init__", lambda self, fn, **o: init(self, _StandIn(fn, python_launches), **o))
-    monkeypatch.setattr(launcher, "_driver", lambda: (lambda: 0, lambda device: 0))
+    cpp_launches = []
     monkeypatch.setitem(callpath._state, "test_device", True)
     native.configure(native.module(), lambda function, grid, block, shared, stream, params:
                      cpp_launches.append((function, grid, [_value(p) for p in params])))
     selection.clear_decision_cache()
-    yield python_launches, cpp_launches
+    yield cpp_launches
     selection.clear_decision_cache()
     native.configure(native.module())
+
+
+@pytest.fixture
+def stand_ins(compiled_path, monkeypatch):
+    """Stand-in compiled kernels too; yields (Python-path launches, C++ launches)."""
+    from anymla.triton_kernels import launcher
+    python_launches = []
+    init = launcher.Launcher.__init__
+    monkeypatch.setattr(launcher.Launcher, "__init__", lambda self, fn, **o: init(self, _StandIn(fn, python_launches), **o))
+    monkeypatch.setattr(launcher, "_driver", lambda: (lambda: 0, lambda device: 0))
+    yield python_launches, compiled_path
 
 
 def _value(raw: bytes):
@@ -284,6 +291,36 @@ def test_scheduling_metadata_is_bound_as_the_python_path_binds_it(stand_ins):
         other_args, other_kwargs = _sparse_decode_args(h=32)
         with pytest.raises(ValueError, match="tile_scheduler_metadata"):
             anymla.flash_mla_with_kvcache(*other_args[:5], fresh, **other_kwargs)
+
+
+@cpu_only
+@pytest.mark.parametrize("h_q", [16, 64])
+def test_a_peers_own_form_runs_its_repeated_calls(compiled_path, monkeypatch, h_q):
+    """A backend with its own form of a signature's calls (the FlashMLA peer: FlashMLA called with the call's
+    arguments) gets an entry that runs it: a repeated call reaches FlashMLA (here a stand-in recording what it
+    is given) with what the dispatcher's path gives it, heads padded to 64, and returns the same outputs."""
+    from anymla.backends import flashmla_peer
+    seen = []
+
+    def with_kvcache(q, k_cache, block_table, cache_seqlens, d_v, meta, num_splits, **kw):
+        seen.append((q, kw["indices"], kw["softmax_scale"]))
+        b, s_q, h, _ = q.shape
+        g = torch.Generator().manual_seed(len(seen) // 2)  # a call and its repeat get the same outputs
+        return torch.randn(b, s_q, h, d_v, generator=g), torch.randn(b, s_q, h, generator=g).transpose(1, 2)
+
+    fake = types.SimpleNamespace(flash_mla_with_kvcache=with_kvcache, get_mla_metadata=lambda: (object(), None))
+    monkeypatch.setattr(flashmla_peer, "_flash_mla", lambda: (fake, ""))
+    monkeypatch.setattr(flashmla_peer.FlashMLAPeer, "device_types", ("cpu",))
+    monkeypatch.setattr(flashmla_peer.FlashMLAPeer, "unavailable_reasons", lambda self, device: [])
+    monkeypatch.setattr(flashmla_peer, "_arch", lambda device: 9)
+    args, kwargs = _sparse_decode_args(h=h_q)
+    hits = native.module().hits()
+    calls = [anymla.flash_mla_with_kvcache(*args, **kwargs, backend="flashmla") for _ in range(3)]
+    assert native.module().hits() == hits + 2, callpath.refusals()
+    (q0, i0, s0), (q1, i1, s1), (q2, i2, s2) = seen
+    assert q1.shape[2] == 64 and torch.equal(q1, q2) and i1 is i2 is kwargs["indices"] and s1 == s2 == 0.07
+    for python, compiled in zip(calls[1], calls[2]):
+        assert torch.equal(python, compiled) and python.stride() == compiled.stride()
 
 
 def test_ptx_parameters_are_read_in_order_with_their_sizes():

@@ -544,7 +544,8 @@ def test_a_peer_measured_faster_is_chosen_and_explain_says_why(fresh_dispatch, m
 
 def test_flashmla_peer_measured_regimes(monkeypatch):
     """The regimes where FlashMLA v1.0.0 beat the Triton tier on the H200: sparse prefill above 16 heads, sparse
-    decoding above 32 heads of V3.2 / MODEL1 caches; nothing on other GPUs, formats or ops."""
+    decoding above 32 heads of V3.2 / MODEL1 caches, each only for calls large enough to be GPU-bound (below,
+    anymla's compiled call path is the faster eagerly); nothing on other GPUs, formats or ops."""
     from types import SimpleNamespace
     from anymla.backends import flashmla_peer
     from anymla.kvcache import KVCacheFormat as F
@@ -552,19 +553,23 @@ def test_flashmla_peer_measured_regimes(monkeypatch):
     monkeypatch.setattr(flashmla_peer, "_arch", lambda device: 9)
     cuda = torch.device("cuda")
 
-    def faster(op, q_shape, fmt=None, device=cuda):
+    def faster(op, q_shape, fmt=None, device=cuda, topk=2048):
         return bool(peer.measured_faster(SimpleNamespace(op=op, device=device, fmt=fmt,
-                                                         q=torch.empty(q_shape, device="meta"))))
-    assert not faster("sparse_prefill", (64, 16, 576)) and faster("sparse_prefill", (64, 17, 576))
-    assert faster("sparse_prefill", (64, 128, 512))
+                                                         q=torch.empty(q_shape, device="meta"),
+                                                         indices=torch.empty(topk, device="meta"))))
+    assert not faster("sparse_prefill", (4096, 16, 576)) and faster("sparse_prefill", (4096, 17, 576))
+    assert faster("sparse_prefill", (4096, 128, 512))
     assert not faster("sparse_decode", (128, 1, 32, 576), F.V32_FP8)
     assert faster("sparse_decode", (128, 1, 64, 576), F.V32_FP8)
     assert faster("sparse_decode", (128, 2, 128, 512), F.MODEL1_FP8)
+    assert faster("sparse_decode", (64, 1, 64, 576), F.V32_FP8) and \
+        not faster("sparse_decode", (4, 1, 64, 576), F.V32_FP8, topk=512), "a host-bound call: anymla's own"
+    assert not faster("sparse_prefill", (256, 128, 576), topk=128)
     assert not faster("sparse_decode", (128, 1, 64, 512), F.V41_FP8)
     assert not faster("dense_decode", (128, 1, 128, 576))
-    assert not faster("sparse_prefill", (64, 128, 576), device=torch.device("cpu"))
+    assert not faster("sparse_prefill", (4096, 128, 576), device=torch.device("cpu"))
     monkeypatch.setattr(flashmla_peer, "_arch", lambda device: 10)
-    assert not faster("sparse_prefill", (64, 128, 576))
+    assert not faster("sparse_prefill", (4096, 128, 576))
 
 
 @pytest.mark.parametrize("h_q", [16, 64])

@@ -101,6 +101,14 @@ _FASTER_ON_SM90 = {
 }
 
 
+# Where FlashMLA's kernels are faster, they are so on the GPU; called eagerly, a call through the peer also
+# pays FlashMLA's host cost and anymla's Python path (55-75 µs a call on an H200's host, 2026-12-01, where
+# anymla's own kernels through the compiled call path take 20-32). So the peer is chosen only for calls whose
+# GPU time hides that: at least this many (query row, key) pairs, ~60 µs of anymla's GPU time (V3.2 decoding
+# b64 h64 topk 2048 has 8.4 M and takes 87-94 µs; b4 h64 topk 512, 0.13 M, 20 µs).
+_GPU_BOUND_PAIRS = 6 << 20
+
+
 class FlashMLAPeer(Backend):
     name = "flashmla"
     ops = frozenset(OPS)
@@ -128,9 +136,12 @@ class FlashMLAPeer(Backend):
         if regime is None or problem.device.type != "cuda" or _arch(problem.device) != 9:
             return ""
         most_heads, why = regime
+        q, topk = problem.q, problem.indices.shape[-1]
+        if q.numel() // q.shape[-1] * topk < _GPU_BOUND_PAIRS:
+            return ""
         if problem.op == "sparse_prefill":
-            return why if problem.q.shape[1] > most_heads else ""
-        return why if problem.q.shape[2] > most_heads and problem.fmt in _V1_FORMATS else ""
+            return why if q.shape[1] > most_heads else ""
+        return why if q.shape[2] > most_heads and problem.fmt in _V1_FORMATS else ""
 
     def shape_reasons(self, problem) -> list[str]:
         module, _ = _flash_mla()
@@ -204,11 +215,11 @@ class FlashMLAPeer(Backend):
         return reasons
 
     @staticmethod
-    def _metadata(p, module):
+    def _metadata(sched, module):
         """FlashMLA's own scheduling metadata, kept in anymla's so every call of a configuration reuses it."""
-        if p.sched is None:
+        if sched is None:
             return module.get_mla_metadata()[0]
-        return p.sched.plan_for("flashmla", lambda: module.get_mla_metadata()[0])
+        return sched.plan_for("flashmla", lambda: module.get_mla_metadata()[0])
 
     def plan(self, problem):
         if problem.op == "dense_decode":
@@ -219,29 +230,64 @@ class FlashMLAPeer(Backend):
     def run(self, problem, plan=None):
         return getattr(self, problem.op)(problem, plan or self.plan(problem))
 
+    def entry(self, problem, plan):
+        """FlashMLA called with the public call's own arguments (the compiled call path's form of a signature's
+        calls), as :meth:`run` calls it."""
+        module, _ = _flash_mla()
+        sm_scale, extra = problem.sm_scale, {"enable_batch_invariant": True} if problem.batch_invariant else {}
+        if problem.op == "sparse_prefill":
+            return lambda sched, q, kv, indices, _scale, d_v, attn_sink, topk_length: _prefill(
+                module, plan, q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+        if problem.op == "dense_decode":
+            causal = problem.causal
+            return lambda sched, q, k_cache, block_table, cache_seqlens, d_v, *_: _dense(
+                module, self._metadata(sched, module), q, k_cache, block_table, cache_seqlens, d_v, sm_scale, causal)
+
+        def sparse(sched, q, k_cache, _table, _lens, d_v, _splits, _scale, _causal, _fp8, indices, attn_sink,
+                   extra_k_cache, extra_indices, topk_length, extra_topk_length, _invariant):
+            out, lse = _sparse(module, plan, self._metadata(sched, module), q, k_cache, d_v, sm_scale, indices,
+                               attn_sink, extra_k_cache, extra_indices, topk_length, extra_topk_length, extra)
+            return out, lse.mT  # the public lse: a [b, h_q, s_q] view, as the dispatcher's path hands it back
+        return sparse
+
     def sparse_prefill(self, p, pad):
         module, _ = _flash_mla()
-        out, max_logits, lse = module.flash_mla_sparse_fwd(pad.pad(p.q, 1), p.kv, p.indices, p.sm_scale, p.d_v,
-                                                           pad.pad(p.attn_sink, 0), p.topk_length)
-        h = pad.h_q
-        if pad.padded == h:  # a slice is a view op: ~3 µs of host time each on an H200's host
-            return out, max_logits, lse
-        return out[:, :h], max_logits[:, :h], lse[:, :h]
+        return _prefill(module, pad, p.q, p.kv, p.indices, p.sm_scale, p.d_v, p.attn_sink, p.topk_length)
 
     def sparse_decode(self, p, pad):
         module, _ = _flash_mla()
         extra = {"enable_batch_invariant": True} if p.batch_invariant else {}
-        out, lse = module.flash_mla_with_kvcache(
-            pad.pad(p.q, 2), p.k_cache, None, None, p.d_v, self._metadata(p, module), None, softmax_scale=p.sm_scale,
-            is_fp8_kvcache=True, indices=p.indices, attn_sink=pad.pad(p.attn_sink, 0), extra_k_cache=p.extra_k_cache,
-            extra_indices_in_kvcache=p.extra_indices, topk_length=p.topk_length,
-            extra_topk_length=p.extra_topk_length, **extra)
-        lse = lse.mT  # FlashMLA's lse is a [b, h_q, s_q] view of a contiguous [b, s_q, h_q]
-        h = pad.h_q
-        return (out, lse) if pad.padded == h else (out[:, :, :h], lse[:, :, :h])
+        return _sparse(module, pad, self._metadata(p.sched, module), p.q, p.k_cache, p.d_v, p.sm_scale, p.indices,
+                       p.attn_sink, p.extra_k_cache, p.extra_indices, p.topk_length, p.extra_topk_length, extra)
 
     def dense_decode(self, p, plan=None):
         module, _ = _flash_mla()
-        return module.flash_mla_with_kvcache(p.q, p.k_cache, p.block_table, p.cache_seqlens, p.d_v,
-                                             self._metadata(p, module), None, softmax_scale=p.sm_scale,
-                                             causal=p.causal)
+        return _dense(module, self._metadata(p.sched, module), p.q, p.k_cache, p.block_table, p.cache_seqlens, p.d_v,
+                      p.sm_scale, p.causal)
+
+
+def _prefill(module, pad: _Padding, q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
+    out, max_logits, lse = module.flash_mla_sparse_fwd(pad.pad(q, 1), kv, indices, sm_scale, d_v,
+                                                       pad.pad(attn_sink, 0), topk_length)
+    h = pad.h_q
+    if pad.padded == h:  # a slice is a view op: ~3 µs of host time each on an H200's host
+        return out, max_logits, lse
+    return out[:, :h], max_logits[:, :h], lse[:, :h]
+
+
+def _sparse(module, pad: _Padding, meta, q, k_cache, d_v, sm_scale, indices, attn_sink, extra_k_cache, extra_indices,
+            topk_length, extra_topk_length, extra: dict):
+    """out ``[b, s_q, h_q, 512]`` and lse ``[b, s_q, h_q]`` (as anymla's backends return it)."""
+    out, lse = module.flash_mla_with_kvcache(
+        pad.pad(q, 2), k_cache, None, None, d_v, meta, None, softmax_scale=sm_scale, is_fp8_kvcache=True,
+        indices=indices, attn_sink=pad.pad(attn_sink, 0), extra_k_cache=extra_k_cache,
+        extra_indices_in_kvcache=extra_indices, topk_length=topk_length, extra_topk_length=extra_topk_length,
+        **extra)
+    lse = lse.mT  # FlashMLA's lse is a [b, h_q, s_q] view of a contiguous [b, s_q, h_q]
+    h = pad.h_q
+    return (out, lse) if pad.padded == h else (out[:, :, :h], lse[:, :, :h])
+
+
+def _dense(module, meta, q, k_cache, block_table, cache_seqlens, d_v, sm_scale, causal):
+    return module.flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, d_v, meta, None,
+                                         softmax_scale=sm_scale, causal=causal)

@@ -62,25 +62,33 @@ def entry_point(backend) -> Optional[tuple[Callable, int]]:
 
 
 def _eligible(decision) -> bool:
-    """Whether the decision's calls can have entries: the Triton tier on a CUDA device (or, in tests, any
-    device while a stand-in for the driver is configured)."""
-    return decision.backend == "triton" and decision.plan is not None and \
-        (decision.device.startswith("cuda") or _state["test_device"])
+    """Whether the decision's calls can have entries: on a CUDA device (or, in tests, any device while a
+    stand-in for the driver is configured), the Triton tier's or those of a backend that has its own form."""
+    return decision.device.startswith("cuda") or _state["test_device"]
 
 
-def record(entry: Optional[tuple], decision, op: int, args: tuple, run: Callable):
-    """``run()`` (the Python path of a call, after its decision), watched and made an entry where it can be;
-    ``entry`` is what :func:`entry_point` returned for this call and ``args`` the call's key arguments after
-    its scope."""
+def record(entry: Optional[tuple], decision, op: int, problem, args: tuple, run: Callable):
+    """``run()`` (the Python path of ``problem``'s call, after its decision), watched and made an entry where
+    it can be; ``entry`` is what :func:`entry_point` returned for this call and ``args`` the call's key
+    arguments after its scope. Other backends than the Triton tier give their own form of the calls
+    (``Backend.entry``) or none."""
     if not _eligible(decision):
         return run()
     mod = native.module()
     if entry is None:
-        if mod is None:
+        if mod is None and decision.backend == "triton":
             native.build()  # in the background: this and later calls take the Python path meanwhile
         return run()
     args = (entry[1], *args)
     if id(decision) in _state["refused"] or mod.has(op, args):
+        return run()
+    if decision.backend != "triton":
+        own = decision.impl.entry(problem, decision.plan)
+        if own is not None:
+            mod.register(op, args, _device_spec(problem.device), (), (), -1, (0, ()), decision.sched_config,
+                         decision, own)
+        return run()
+    if decision.plan is None:
         return run()
     from anymla.triton_kernels import launcher
     launches: list = []
@@ -118,12 +126,11 @@ def _register(mod, decision, op: int, args: tuple, result: tuple, launches: list
         raise Refused("tensor descriptors over two inputs")
     desc_input = desc_inputs.pop() if desc_inputs else -1
     variant = args[desc_input].data_ptr() if desc_input >= 0 else 0
-    device = watch.allocations[0].device if watch.allocations else None
-    if device is None:
+    if not watch.allocations:
         raise Refused("the call allocates nothing")
     allocations = [(tuple(a.shape), tuple(a.stride()), a.dtype) for a in watch.allocations]
     try:
-        mod.register(op, args, (device.type, -1 if device.index is None else device.index), allocations,
+        mod.register(op, args, _device_spec(watch.allocations[0].device), allocations,
                      output_specs(result, watch.allocations), desc_input, (variant, specs), decision.sched_config,
                      decision)
     except (TypeError, ValueError) as e:
@@ -137,6 +144,14 @@ def prepare(device) -> str:
         native.build(wait=True)
     why = native.reason()
     return "compiled call path: " + (f"not in use ({why})" if why else "in use")
+
+
+def _device_spec(device) -> tuple[str, int]:
+    """``(type, index)`` of an entry's device (its current device where a CUDA device has no index)."""
+    import torch
+    if device.type == "cuda" and device.index is None:
+        return "cuda", torch.cuda.current_device()
+    return device.type, -1 if device.index is None else device.index
 
 
 def refusals() -> list[str]:

@@ -76,6 +76,7 @@ struct Entry {
   std::unordered_map<uint64_t, std::vector<Launch>> variants;     // that address (0: none) -> launches
   PyObject* config = nullptr;                                     // the metadata's configuration (owned)
   PyObject* keep = nullptr;                                       // what the launches need alive (owned)
+  PyObject* callable = nullptr;  // a backend's own form of the calls (owned): run instead of launches
 
   Entry() = default;
   Entry(const Entry&) = delete;
@@ -83,6 +84,7 @@ struct Entry {
   ~Entry() {
     Py_XDECREF(config);
     Py_XDECREF(keep);
+    Py_XDECREF(callable);
   }
 };
 
@@ -231,6 +233,12 @@ PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t n) {
   int fits = metadata_fits(args[2], e);
   if (fits < 0) return nullptr;
   if (fits == 0) Py_RETURN_NONE;
+  if (e.callable != nullptr) {  // callable(sched, *the public call's arguments): args without the scope
+    std::vector<PyObject*> call_args(args + first, args + n);
+    call_args[0] = args[2];
+    ++g_hits;
+    return PyObject_Vectorcall(e.callable, call_args.data(), call_args.size(), nullptr);
+  }
   int poison = PyObject_IsTrue(args[1]);
   if (poison < 0) return nullptr;
   std::vector<at::Tensor> allocated;
@@ -334,14 +342,16 @@ bool parse_launch(PyObject* spec, Launch& l) {
   return true;
 }
 
-// register(op, args, device, allocations, outputs, desc_input, launches, config, keep): make (or extend with a
-// new descriptor variant) the entry of `args`' key. allocations: [(sizes, strides, dtype)]; outputs:
-// [(allocation, sizes, strides, offset)] (sizes None: the allocation itself); launches: see parse_launch.
+// register(op, args, device, allocations, outputs, desc_input, launches, config, keep[, callable]): make (or
+// extend with a new descriptor variant) the entry of `args`' key. allocations: [(sizes, strides, dtype)];
+// outputs: [(allocation, sizes, strides, offset)] (sizes None: the allocation itself); launches: (variant,
+// [see parse_launch]); callable: instead of allocations and launches, a function of (sched, *the call's
+// arguments after the scope) returning the outputs.
 PyObject* register_entry(PyObject*, PyObject* args) {
   long op, desc_input;
-  PyObject *call_args, *device, *allocations, *outputs, *launches, *config, *keep;
-  if (!PyArg_ParseTuple(args, "lO!OOOlOOO", &op, &PyTuple_Type, &call_args, &device, &allocations, &outputs,
-                        &desc_input, &launches, &config, &keep)) {
+  PyObject *call_args, *device, *allocations, *outputs, *launches, *config, *keep, *callable = Py_None;
+  if (!PyArg_ParseTuple(args, "lO!OOOlOOO|O", &op, &PyTuple_Type, &call_args, &device, &allocations, &outputs,
+                        &desc_input, &launches, &config, &keep, &callable)) {
     return nullptr;
   }
   std::string key;
@@ -431,6 +441,10 @@ PyObject* register_entry(PyObject*, PyObject* args) {
   }
   Py_INCREF(keep);
   entry->keep = keep;
+  if (callable != Py_None) {
+    Py_INCREF(callable);
+    entry->callable = callable;
+  }
   g_table[key] = std::move(entry);
   Py_RETURN_NONE;
 }
