@@ -141,9 +141,9 @@ def _dense_decode_args(seed=0, h=16):
     return (q, cache, table, lens, 512, anymla.get_mla_metadata()[0]), dict(causal=True)
 
 
-def _prefill_args(seed=0, s_kv=256):
+def _prefill_args(seed=0, s_kv=256, topk=64):
     g = torch.Generator().manual_seed(seed)
-    s_q, h, topk = 8, 16, 64
+    s_q, h = 8, 16
     q = torch.randn(s_q, h, 576, generator=g).to(torch.bfloat16)
     kv = torch.randn(s_kv, 1, 576, generator=g).to(torch.bfloat16)
     idx = torch.randint(-1, max(s_kv, 1), (s_q, 1, topk), generator=g, dtype=torch.int32)
@@ -343,23 +343,31 @@ def test_ptx_parameters_are_read_in_order_with_their_sizes():
     assert ptx_param_sizes(ptx) == [8, 4, 128, 4, 1, 8, 8]
 
 
+_PEER_CALLS = {"sparse decode V3.2 h64": (anymla.flash_mla_with_kvcache, functools.partial(_sparse_decode_args, h=64), {}),
+               "sparse prefill": (anymla.flash_mla_sparse_fwd, functools.partial(_prefill_args, topk=128), {})}
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA GPU: compiled kernels")
-@pytest.mark.parametrize("name", list(CALLS))
-@pytest.mark.parametrize("kernels", ["default", "portable"])
+@pytest.mark.parametrize("name, kernels", [(n, k) for n in CALLS for k in ("default", "portable")] +
+                         [(n, "flashmla") for n in _PEER_CALLS])
 def test_the_compiled_path_gives_the_python_paths_results_bit_for_bit(name, kernels):
     """On the GPU: a call through the entry point returns exactly what the Python path returns for the same
-    inputs (the same kernels and parameters), and both agree with the reference."""
+    inputs (the same kernels and parameters, or FlashMLA's own form where the peer runs the call), and both
+    agree with the reference."""
     native.build(wait=True)
     assert native.module() is not None, native.reason()
     from anymla.triton_kernels import tuning
-    fn, make, forced = CALLS[name]
+    backend = "flashmla" if kernels == "flashmla" else "triton"
+    if backend not in anymla.available_backends(DEVICE):
+        pytest.skip("flash_mla is not installed")
+    fn, make, forced = (_PEER_CALLS if backend == "flashmla" else CALLS)[name]
     forced = dict(forced, warp_specialized=False) if kernels == "portable" else forced
 
     def on_gpu(args, kwargs):
         move = lambda a: a.to(DEVICE) if isinstance(a, torch.Tensor) else a  # noqa: E731
         return [move(a) for a in args], {k: move(v) for k, v in kwargs.items()}
 
-    with anymla.use_backend("triton"), tuning.forced(**forced):
+    with anymla.use_backend(backend), tuning.forced(**forced):
         args, kwargs = on_gpu(*make())
         fn(*args, **kwargs)
         args, kwargs = on_gpu(*_fresh(make, 1))
