@@ -8,6 +8,7 @@ parameters as the Python path given the same tensors: the call's own addresses w
 them, every other parameter equal. On a GPU the same calls are compared by their results (further below).
 """
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -308,7 +309,12 @@ def test_a_peers_own_form_runs_its_repeated_calls(compiled_path, monkeypatch, h_
         g = torch.Generator().manual_seed(len(seen) // 2)  # a call and its repeat get the same outputs
         return torch.randn(b, s_q, h, d_v, generator=g), torch.randn(b, s_q, h, generator=g).transpose(1, 2)
 
-    fake = types.SimpleNamespace(flash_mla_with_kvcache=with_kvcache, get_mla_metadata=lambda: (object(), None))
+    def sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
+        s_q, h, _ = q.shape
+        return torch.zeros(s_q, h, d_v), torch.zeros(s_q, h), torch.ones(s_q, h)
+
+    fake = types.SimpleNamespace(flash_mla_with_kvcache=with_kvcache, get_mla_metadata=lambda: (object(), None),
+                                 flash_mla_sparse_fwd=sparse_fwd)
     monkeypatch.setattr(flashmla_peer, "_flash_mla", lambda: (fake, ""))
     monkeypatch.setattr(flashmla_peer.FlashMLAPeer, "device_types", ("cpu",))
     monkeypatch.setattr(flashmla_peer.FlashMLAPeer, "unavailable_reasons", lambda self, device: [])
@@ -321,6 +327,78 @@ def test_a_peers_own_form_runs_its_repeated_calls(compiled_path, monkeypatch, h_
     assert q1.shape[2] == 64 and torch.equal(q1, q2) and i1 is i2 is kwargs["indices"] and s1 == s2 == 0.07
     for python, compiled in zip(calls[1], calls[2]):
         assert torch.equal(python, compiled) and python.stride() == compiled.stride()
+    prefill, _ = _prefill_args(topk=128)
+    outputs = [anymla.flash_mla_sparse_fwd(*prefill, backend="flashmla") for _ in range(2)]
+    assert native.module().hits() == hits + 3 and [o.shape[1] for o in outputs[1]] == [16, 16, 16]
+
+
+def _layer_and_inputs(fmt, seed=0, device="cpu"):
+    from anymla.layers import MLAAttention, MLAConfig
+    g = torch.Generator().manual_seed(seed)
+    cfg = MLAConfig(hidden_size=32, num_heads=2, q_lora_rank=16, qk_nope_head_dim=16, v_head_dim=16,
+                    max_position_embeddings=64)
+    layer = MLAAttention(cfg)
+    for b in layer.buffers():
+        b.copy_(torch.randn(b.shape, generator=g) * 0.3)
+    pos = torch.tensor([[40], [50]])
+    width = 656 if fmt is kvcache.KVCacheFormat.V32_FP8 else 576
+    cache = (torch.randint(0, 120, (8, 16, 1, width), generator=g, dtype=torch.uint8) if width == 656 else
+             torch.randn(8, 16, 1, width, generator=g).bfloat16())
+    inp = dict(hidden_states=torch.randn(2, 1, 32, generator=g).bfloat16(), positions=pos,
+               block_table=torch.arange(8, dtype=torch.int32).view(2, 4), kv_cache=cache,
+               cache_seqlens=(pos[:, 0] + 1).int(), residual=torch.randn(2, 1, 32, generator=g).bfloat16(),
+               indices=torch.randint(0, 40, (2, 1, 16), generator=g) if width == 656 else None)
+    return layer.to(device), {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inp.items()}
+
+
+LAYER_FORMATS = [kvcache.KVCacheFormat.BF16, kvcache.KVCacheFormat.V32_FP8]
+
+
+@contextlib.contextmanager
+def _python_path():
+    """Calls inside take the Python path (the extension hidden from the entry point)."""
+    mod = native._state["module"]
+    native._state["module"] = None
+    try:
+        yield
+    finally:
+        native._state["module"] = mod
+
+
+@cpu_only
+@pytest.mark.parametrize("fmt", LAYER_FORMATS, ids=lambda f: f.name)
+def test_a_layer_step_runs_in_cpp_what_its_python_path_runs(stand_ins, fmt):
+    """An MLA layer's decode step as one entry: its GEMMs through ATen's dispatcher, its kernels and its
+    attention call's kernels launched with the parameters the Python path gives them (the layer's weights
+    and tables as the entry's constants); the entry goes when the layer does."""
+    import gc
+    python_launches, cpp_launches = stand_ins
+    layer, inp = _layer_and_inputs(fmt)
+    mod = native.module()
+    with anymla.use_backend("triton"), torch.no_grad():
+        layer(**inp)
+        assert mod.size() == 1, callpath.refusals()
+        _, fresh = _layer_and_inputs(fmt, seed=1)
+        fresh["kv_cache"] = inp["kv_cache"]  # the layer writes the cache it was given
+        python_launches.clear()
+        with _python_path():  # (debug checks would read the slots the stand-in kernels never write)
+            expected = layer(**fresh)
+        hits = mod.hits()
+        got = layer(**fresh)
+    assert mod.hits() == hits + 1 and len(cpp_launches) == len(python_launches) >= 3
+    tensors = {**{k: v for k, v in fresh.items() if isinstance(v, torch.Tensor)},
+               **{f"buffer{i}": b for i, b in enumerate(layer.buffers())}}
+
+    def as_ints(values):
+        values = [v.data_ptr() if isinstance(v, torch.Tensor) else 0 if v is None else v for v in values]
+        return [struct.unpack("<i", struct.pack("<f", v))[0] if isinstance(v, float) else int(v) for v in values]
+
+    assert _roles([as_ints(v) for _, _, v in python_launches], {**tensors, "out": expected}) == \
+        _roles([v for _, _, v in cpp_launches], {**tensors, "out": got})
+    assert (got.shape, got.dtype, got.stride()) == (expected.shape, expected.dtype, expected.stride())
+    del layer
+    gc.collect()
+    assert mod.size() == 0
 
 
 def test_ptx_parameters_are_read_in_order_with_their_sizes():
@@ -384,3 +462,24 @@ def test_the_compiled_path_gives_the_python_paths_results_bit_for_bit(name, kern
         finite = r.isfinite()
         assert torch.equal(finite, g.isfinite())
         torch.testing.assert_close(g[finite].float(), r[finite].float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA GPU: compiled kernels")
+@pytest.mark.parametrize("fmt", LAYER_FORMATS, ids=lambda f: f.name)
+def test_a_layer_step_through_the_compiled_path_gives_its_python_paths_output(fmt):
+    """On the GPU: a repeated layer step through its entry returns exactly the Python path's output for the
+    same inputs, and writes the cache as it does."""
+    native.build(wait=True)
+    layer, inp = _layer_and_inputs(fmt, device=DEVICE)
+    with torch.no_grad():
+        layer(**inp)
+        _, fresh = _layer_and_inputs(fmt, seed=1, device=DEVICE)
+        cache = fresh["kv_cache"]
+        with _python_path():
+            expected = layer(**fresh)
+        written = cache.clone()
+        cache.copy_(_layer_and_inputs(fmt, seed=1, device=DEVICE)[1]["kv_cache"])
+        hits = native.module().hits()
+        got = layer(**fresh)
+        assert native.module().hits() == hits + 1, callpath.refusals()
+    assert torch.equal(got, expected) and torch.equal(cache, written)

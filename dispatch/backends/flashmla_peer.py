@@ -234,7 +234,7 @@ class FlashMLAPeer(Backend):
         """FlashMLA called with the public call's own arguments (the compiled call path's form of a signature's
         calls), as :meth:`run` calls it."""
         module, _ = _flash_mla()
-        sm_scale, extra = problem.sm_scale, {"enable_batch_invariant": True} if problem.batch_invariant else {}
+        sm_scale = problem.sm_scale
         if problem.op == "sparse_prefill":
             return lambda sched, q, kv, indices, _scale, d_v, attn_sink, topk_length: _prefill(
                 module, plan, q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
@@ -242,6 +242,8 @@ class FlashMLAPeer(Backend):
             causal = problem.causal
             return lambda sched, q, k_cache, block_table, cache_seqlens, d_v, *_: _dense(
                 module, self._metadata(sched, module), q, k_cache, block_table, cache_seqlens, d_v, sm_scale, causal)
+
+        extra = {"enable_batch_invariant": True} if problem.batch_invariant else {}
 
         def sparse(sched, q, k_cache, _table, _lens, d_v, _splits, _scale, _causal, _fp8, indices, attn_sink,
                    extra_k_cache, extra_indices, topk_length, extra_topk_length, _invariant):

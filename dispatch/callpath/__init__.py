@@ -14,18 +14,22 @@ read launches there); a change of the tuning file or of the backend registry for
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Optional
 
 from ..debug import debug_enabled
 from ..registry import generation
 from ..selection import _SETTINGS, _override, _sync_tuning
 from . import native
-from .record import Refused, Watch, launch_spec, output_specs, Places
+import torch
 
-DECODE, PREFILL = 0, 1
-_state: dict = {"stamp": None, "refused": {}, "test_device": False, "hooks": None}
+from .record import Places, Refused, Watch, launch_spec, op_spec
+
+DECODE, PREFILL, MLA_STEP = 0, 1, 2  # the ops entries are kept for (a key's first part)
+_state: dict = {"stamp": None, "refused": {}, "test_device": False, "hooks": None, "watching": False,
+                "owners": set()}
 _native_state = native._state
-_scopes: dict = {}  # (forced backends, their source, scoped settings) -> its number in entries' keys
+_scopes: dict = {}  # a selection scope (forced backends, their source, scoped settings), or settings -> its number
 
 
 def _launch_hooks() -> tuple:
@@ -42,7 +46,7 @@ def entry_point(backend) -> Optional[tuple[Callable, int]]:
     ``ANYMLA_BACKEND``, and scoped settings: a decision is made for one scope, so an entry is kept for one);
     None while calls must take the Python path (see the module's docstring)."""
     mod = _native_state["module"]
-    if mod is None or debug_enabled():
+    if mod is None or _state["watching"] or debug_enabled():
         return None
     hooks = _state["hooks"]
     if hooks is None:
@@ -54,17 +58,18 @@ def entry_point(backend) -> Optional[tuple[Callable, int]]:
     if stamp != _state["stamp"]:
         mod.clear()
         _state["stamp"] = stamp
-    scope = (*_override(backend), _SETTINGS.get())
-    number = _scopes.get(scope)
-    if number is None:
-        number = _scopes[scope] = len(_scopes)
-    return mod.call, number
+    return mod.call, number((*_override(backend), _SETTINGS.get()))
 
 
 def _eligible(decision) -> bool:
     """Whether the decision's calls can have entries: on a CUDA device (or, in tests, any device while a
     stand-in for the driver is configured), the Triton tier's or those of a backend that has its own form."""
     return decision.device.startswith("cuda") or _state["test_device"]
+
+
+def steps_recordable(device) -> bool:
+    """Whether a layer's steps on ``device`` can have entries (as :func:`_eligible` for calls)."""
+    return device.type == "cuda" or _state["test_device"]
 
 
 def record(entry: Optional[tuple], decision, op: int, problem, args: tuple, run: Callable):
@@ -83,56 +88,119 @@ def record(entry: Optional[tuple], decision, op: int, problem, args: tuple, run:
     if id(decision) in _state["refused"] or mod.has(op, args):
         return run()
     if decision.backend != "triton":
-        own = decision.impl.entry(problem, decision.plan)
-        if own is not None:
-            mod.register(op, args, _device_spec(problem.device), (), (), -1, (0, ()), decision.sched_config,
-                         decision, own)
+        try:
+            own = decision.impl.entry(problem, decision.plan)
+            if own is not None:
+                mod.register(op, args, _device_spec(problem.device), (), (), (), -1, 0, decision.sched_config,
+                             decision, own)
+        except Exception as e:  # noqa: BLE001  (the backend's own form failed: its calls keep the Python path)
+            _state["refused"][id(decision)] = (decision, f"{decision.shape}: {decision.backend}'s entry: {e!r}")
         return run()
     if decision.plan is None:
         return run()
+    result, watch = _watched(run)
+    _make(mod, decision, op, args, result, watch, id(decision))
+    return result
+
+
+def number(settings) -> int:
+    """A small number standing for ``settings`` (anything hashable) in entries' keys."""
+    n = _scopes.get(settings)
+    if n is None:
+        n = _scopes[settings] = len(_scopes)
+    return n
+
+
+def record_step(entry: Optional[tuple], owner, constants: list, op: int, args: tuple, run: Callable):
+    """``run()`` (a layer's step, taking the Python path), watched and made an entry where it can be, like
+    :func:`record`: the layer's GEMMs, kernels and attention call in one entry; ``owner`` the layer (its entries
+    go when it does), ``constants`` its weights and tables; ``args`` the key arguments after the scope."""
+    mod = native.module()
+    if entry is None:
+        return run()
+    args = (entry[1], *args)
+    key = (op, id(owner), mod.has(op, args))
+    if key[2] or key[:2] in _state["refused"]:
+        return run()
+    result, watch = _watched(run)
+    if id(owner) not in _state["owners"]:
+        _state["owners"].add(id(owner))
+        weakref.finalize(owner, _forget, id(owner))
+    _make(mod, None, op, args, (result,), watch, key[:2], constants, id(owner), f"{type(owner).__name__} step")
+    return result
+
+
+def _forget(owner: int) -> None:
+    _state["owners"].discard(owner)
+    mod = native.module()
+    if mod is not None:
+        mod.forget(owner)
+
+
+def _watched(run: Callable) -> tuple:
+    """``run()``'s result and its :class:`Watch` (every torch op and launch of it, in order). Calls inside it
+    take the Python path, so their launches are seen."""
     from anymla.triton_kernels import launcher
-    launches: list = []
     watch = Watch()
-    launcher.RECORDER[0] = launches
+    launcher.RECORDER[0] = watch.events
+    _state["watching"] = True
     try:
         with watch:
             result = run()
     finally:
         launcher.RECORDER[0] = None
+        _state["watching"] = False
+    return result, watch
+
+
+def _make(mod, decision, op: int, args: tuple, result, watch: Watch, refusal_key, constants=(), owner: int = 0,
+          what: str = ""):
+    what = what or decision.shape
     try:
-        _register(mod, decision, op, args, result, launches, watch)
+        _register(mod, decision, op, args, result, watch, constants, owner)
     except Refused as why:
-        _state["refused"][id(decision)] = (decision, str(why))
+        _state["refused"][refusal_key] = (decision, f"{what}: {why}")
     except Exception as e:  # noqa: BLE001  (the call's result stands; its signature keeps the Python path)
-        _state["refused"][id(decision)] = (decision, f"describing the call failed: {e!r}")
-    return result
+        _state["refused"][refusal_key] = (decision, f"{what}: describing the call failed: {e!r}")
 
 
-def _register(mod, decision, op: int, args: tuple, result: tuple, launches: list, watch: Watch) -> None:
+def _register(mod, decision, op: int, args: tuple, result: tuple, watch: Watch, constants=(), owner: int = 0) -> None:
+    """Make the watched call an entry: its allocations, ATen ops and launches in the order they ran."""
     if watch.refused:
         raise Refused(watch.refused)
-    if any(direct is None for direct, _, _ in launches):
-        # a first launch at a new alignment still goes through Triton's own path when a hook takes it
-        raise Refused("a launch went through no compiled kernel's launcher")
-    inputs = {i: a for i, a in enumerate(args) if hasattr(a, "data_ptr")}
-    places = Places(inputs, watch.allocations)
-    specs, desc_inputs = [], set()
-    for direct, grid, flat in launches:
-        spec, desc_input = launch_spec(direct, grid, flat, places)
-        specs.append(spec)
-        desc_inputs.add(desc_input)
+    places = Places({i: a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}, constants)
+    steps, desc_inputs, device = [], set(), None
+    allocated = 0
+    for event in watch.events:
+        if event[0] == "alloc":
+            t = event[1]
+            steps.append(("alloc", tuple(t.shape), tuple(t.stride()), t.dtype, allocated in watch.poisoned))
+            allocated += 1
+            places.values.append(t)
+            device = device or t.device
+        elif event[0] == "op":
+            _, func, op_args, kwargs, out = event
+            steps.append(op_spec(func, op_args, kwargs, places))
+            places.values.append(out)
+            device = device or out.device
+        else:
+            direct, grid, flat = event
+            if direct is None:
+                raise Refused("a launch went through no compiled kernel's launcher")
+            spec, desc_input = launch_spec(direct, grid, flat, places)
+            steps.append(("launch", spec))
+            desc_inputs.add(desc_input)
     desc_inputs.discard(None)
     if len(desc_inputs) > 1:
         raise Refused("tensor descriptors over two inputs")
+    if device is None:
+        raise Refused("the call makes no tensor")
     desc_input = desc_inputs.pop() if desc_inputs else -1
     variant = args[desc_input].data_ptr() if desc_input >= 0 else 0
-    if not watch.allocations:
-        raise Refused("the call allocates nothing")
-    allocations = [(tuple(a.shape), tuple(a.stride()), a.dtype) for a in watch.allocations]
+    outputs = [places.ref(t) for t in result]
     try:
-        mod.register(op, args, _device_spec(watch.allocations[0].device), allocations,
-                     output_specs(result, watch.allocations), desc_input, (variant, specs), decision.sched_config,
-                     decision)
+        mod.register(op, args, _device_spec(device), list(places.constants), steps, outputs, desc_input, variant,
+                     decision.sched_config if decision is not None else None, decision, None, owner)
     except (TypeError, ValueError) as e:
         raise Refused(f"the extension took no entry: {e}") from None
 
@@ -155,8 +223,8 @@ def _device_spec(device) -> tuple[str, int]:
 
 
 def refusals() -> list[str]:
-    """Why calls of each refused signature keep the Python path: ``"<decision's shape>: <reason>"``."""
-    return [f"{d.shape}: {why}" for d, why in _state["refused"].values()]
+    """Why calls of each refused signature keep the Python path: ``"<what was called>: <reason>"``."""
+    return [why for _, why in _state["refused"].values()]
 
 
 def clear() -> None:

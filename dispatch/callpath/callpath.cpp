@@ -20,6 +20,8 @@
 #include <Python.h>
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -29,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -38,11 +41,23 @@ namespace {
 using LaunchKernel = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
                              void**, void**);
 
+// Where a tensor of a call comes from: one of its arguments, a tensor an earlier step made (an allocation or
+// an op's result, numbered in the order they were made), or a tensor the entry holds (a layer's weight).
+enum class Source : uint8_t { Input = 0, Value = 1, Constant = 2 };
+
 struct Patch {
-  uint32_t param;   // the parameter it writes
-  bool allocation;  // an allocation's address (else an input's)
-  uint32_t index;   // the allocation's number, or the input's argument position
-  int64_t offset;   // bytes past that tensor's address
+  uint32_t param;  // the parameter it writes
+  Source source;   // Input or Value
+  uint32_t index;
+  int64_t offset;  // bytes past that tensor's address
+};
+
+struct Ref {  // a tensor: its source itself, or a view of the source's storage
+  Source source;
+  uint32_t index;
+  bool whole;
+  std::vector<int64_t> sizes, strides;
+  int64_t offset;  // storage offset, in elements
 };
 
 struct Launch {
@@ -59,24 +74,35 @@ struct Launch {
 struct Allocation {
   std::vector<int64_t> sizes, strides;
   at::ScalarType dtype;
+  bool poisoned;  // filled with NaN in poison mode (the buffers anymla.buffers allocates)
 };
 
-struct Output {
-  uint32_t allocation;
-  bool whole;  // the allocation itself (else a view of it)
-  std::vector<int64_t> sizes, strides;
-  int64_t offset;
+struct OpArg {
+  bool tensor;
+  Ref ref;
+  c10::IValue value;  // a constant argument
+};
+
+enum class Kind : uint8_t { Allocate = 0, Launch = 1, Op = 2 };
+
+struct Step {
+  Kind kind;
+  Allocation allocation;
+  Launch launch;
+  std::optional<c10::OperatorHandle> op;  // an ATen op run through the dispatcher (its result is a Value)
+  std::vector<OpArg> args;
 };
 
 struct Entry {
   at::Device device{at::kCPU};
-  std::vector<Allocation> allocations;
-  std::vector<Output> outputs;
-  long desc_input = -1;                                           // argument whose address descriptors encode
-  std::unordered_map<uint64_t, std::vector<Launch>> variants;     // that address (0: none) -> launches
-  PyObject* config = nullptr;                                     // the metadata's configuration (owned)
-  PyObject* keep = nullptr;                                       // what the launches need alive (owned)
-  PyObject* callable = nullptr;  // a backend's own form of the calls (owned): run instead of launches
+  std::vector<at::Tensor> constants;
+  std::vector<Ref> outputs;
+  long desc_input = -1;                                      // argument whose address descriptors encode
+  std::unordered_map<uint64_t, std::vector<Step>> variants;  // that address (0: none) -> the steps
+  PyObject* config = nullptr;                                // the metadata's configuration (owned)
+  PyObject* keep = nullptr;                                  // what the launches need alive (owned)
+  PyObject* callable = nullptr;  // a backend's own form of the calls (owned): run instead of steps
+  long long owner = 0;           // who made it (a layer's number; 0: none), for forget()
 
   Entry() = default;
   Entry(const Entry&) = delete;
@@ -241,33 +267,52 @@ PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t n) {
   }
   int poison = PyObject_IsTrue(args[1]);
   if (poison < 0) return nullptr;
-  std::vector<at::Tensor> allocated;
-  allocated.reserve(e.allocations.size());
+  std::vector<at::Tensor> values;
+  auto source = [&](Source kind, uint32_t index) -> const at::Tensor& {
+    return kind == Source::Input ? THPVariable_Unpack(args[first + index])
+                                 : kind == Source::Value ? values[index] : e.constants[index];
+  };
+  auto resolve = [&](const Ref& r) -> at::Tensor {
+    const at::Tensor& base = source(r.source, r.index);
+    return r.whole ? base : base.as_strided(r.sizes, r.strides, r.offset);
+  };
   try {
-    for (const Allocation& a : e.allocations) {
-      allocated.push_back(at::empty_strided(a.sizes, a.strides, at::TensorOptions().dtype(a.dtype).device(e.device)));
-      if (poison) allocated.back().fill_(NAN);  // as anymla.buffers.empty does in poison mode
+    for (Step& step : launches->second) {
+      if (step.kind == Kind::Allocate) {
+        const Allocation& a = step.allocation;
+        values.push_back(at::empty_strided(a.sizes, a.strides, at::TensorOptions().dtype(a.dtype).device(e.device)));
+        if (poison && a.poisoned) values.back().fill_(NAN);  // as anymla.buffers.empty does in poison mode
+      } else if (step.kind == Kind::Op) {
+        torch::jit::Stack stack;
+        stack.reserve(step.args.size());
+        for (const OpArg& a : step.args) {
+          if (a.tensor) {
+            stack.emplace_back(resolve(a.ref));
+          } else {
+            stack.push_back(a.value);
+          }
+        }
+        step.op->callBoxed(&stack);
+        values.push_back(stack.at(0).toTensor());
+      } else {
+        Launch& l = step.launch;
+        for (const Patch& p : l.patches) {
+          uint64_t value = reinterpret_cast<uint64_t>(source(p.source, p.index).data_ptr()) +
+                           static_cast<uint64_t>(p.offset);
+          std::memcpy(l.params[p.param], &value, sizeof(value));
+        }
+        if (!launch_one(l, stream)) return nullptr;
+      }
     }
   } catch (const std::exception& ex) {
     PyErr_SetString(PyExc_RuntimeError, ex.what());
     return nullptr;
   }
-  for (Launch& l : launches->second) {
-    for (const Patch& p : l.patches) {
-      uint64_t base = p.allocation ? reinterpret_cast<uint64_t>(allocated[p.index].data_ptr())
-                                   : address(args[first + p.index]);
-      uint64_t value = base + static_cast<uint64_t>(p.offset);
-      std::memcpy(l.params[p.param], &value, sizeof(value));
-    }
-    if (!launch_one(l, stream)) return nullptr;
-  }
   ++g_hits;
   PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(e.outputs.size()));
   if (out == nullptr) return nullptr;
   for (size_t i = 0; i < e.outputs.size(); ++i) {
-    const Output& o = e.outputs[i];
-    const at::Tensor& a = allocated[o.allocation];
-    PyTuple_SET_ITEM(out, i, THPVariable_Wrap(o.whole ? a : a.as_strided(o.sizes, o.strides, o.offset)));
+    PyTuple_SET_ITEM(out, i, THPVariable_Wrap(resolve(e.outputs[i])));
   }
   return out;
 }
@@ -284,7 +329,7 @@ bool int64s(PyObject* seq, std::vector<int64_t>& out) {
   return !PyErr_Occurred();
 }
 
-// One launch from (function, (gx, gy, gz), block, shared, [parameter bytes], [(param, allocation?, index, offset)]).
+// One launch from (function, (gx, gy, gz), block, shared, [parameter bytes], [(param, source, index, offset)]).
 bool parse_launch(PyObject* spec, Launch& l) {
   unsigned long long function;
   PyObject *params, *patches;
@@ -324,34 +369,145 @@ bool parse_launch(PyObject* spec, Launch& l) {
   PyObject* fast = PySequence_Fast(patches, "patches: expected a sequence");
   if (fast == nullptr) return false;
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
-    unsigned param, index;
-    int allocation;
+    unsigned param, source, index;
     long long offset;
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "IpIL", &param, &allocation, &index, &offset)) {
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "IIIL", &param, &source, &index, &offset)) {
       Py_DECREF(fast);
       return false;
     }
-    if (param >= l.params.size() || l.sizes[param] != 8) {
+    if (param >= l.params.size() || l.sizes[param] != 8 || source > 1) {
       Py_DECREF(fast);
-      PyErr_SetString(PyExc_ValueError, "a patch must name an 8-byte parameter");
+      PyErr_SetString(PyExc_ValueError, "a patch must name an 8-byte parameter and an input or a value");
       return false;
     }
-    l.patches.push_back({param, allocation != 0, index, offset});
+    l.patches.push_back({param, static_cast<Source>(source), index, offset});
   }
   Py_DECREF(fast);
   return true;
 }
 
-// register(op, args, device, allocations, outputs, desc_input, launches, config, keep[, callable]): make (or
-// extend with a new descriptor variant) the entry of `args`' key. allocations: [(sizes, strides, dtype)];
-// outputs: [(allocation, sizes, strides, offset)] (sizes None: the allocation itself); launches: (variant,
-// [see parse_launch]); callable: instead of allocations and launches, a function of (sched, *the call's
-// arguments after the scope) returning the outputs.
+// A tensor reference from (source, index, sizes or None for the source itself, strides, storage offset).
+bool parse_ref(PyObject* spec, Ref& r) {
+  unsigned source;
+  PyObject *sizes, *strides;
+  long long offset;
+  if (!PyArg_ParseTuple(spec, "IIOOL", &source, &r.index, &sizes, &strides, &offset)) return false;
+  if (source > 2) {
+    PyErr_SetString(PyExc_ValueError, "a tensor's source must be 0 (input), 1 (value) or 2 (constant)");
+    return false;
+  }
+  r.source = static_cast<Source>(source);
+  r.whole = sizes == Py_None;
+  r.offset = offset;
+  return r.whole || (int64s(sizes, r.sizes) && int64s(strides, r.strides));
+}
+
+// A constant op argument: None, a bool, an int or a float.
+bool parse_value(PyObject* v, c10::IValue& out) {
+  if (v == Py_None) {
+    out = c10::IValue();
+  } else if (PyBool_Check(v)) {
+    out = c10::IValue(v == Py_True);
+  } else if (PyLong_Check(v)) {
+    out = c10::IValue(static_cast<int64_t>(PyLong_AsLongLong(v)));
+  } else if (PyFloat_Check(v)) {
+    out = c10::IValue(PyFloat_AS_DOUBLE(v));
+  } else {
+    PyErr_SetString(PyExc_TypeError, "an op's constant argument must be None, a bool, an int or a float");
+    return false;
+  }
+  return !PyErr_Occurred();
+}
+
+// One step from ("alloc", sizes, strides, dtype, poisoned), ("launch", launch) or ("op", name, overload, [("t", ref) or
+// ("v", value)], the arguments in the schema's order).
+bool parse_step(PyObject* spec, Step& step) {
+  if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) < 2 || !PyUnicode_Check(PyTuple_GET_ITEM(spec, 0))) {
+    PyErr_SetString(PyExc_TypeError, "a step must be a tuple starting with its kind");
+    return false;
+  }
+  std::string kind = PyUnicode_AsUTF8(PyTuple_GET_ITEM(spec, 0));
+  if (kind == "alloc") {
+    PyObject *name, *sizes, *strides, *dtype;
+    int poisoned;
+    step.kind = Kind::Allocate;
+    if (!PyArg_ParseTuple(spec, "OOOO!p", &name, &sizes, &strides, &THPDtypeType, &dtype, &poisoned) ||
+        !int64s(sizes, step.allocation.sizes) || !int64s(strides, step.allocation.strides)) {
+      return false;
+    }
+    step.allocation.poisoned = poisoned != 0;
+    step.allocation.dtype = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
+    return true;
+  }
+  if (kind == "launch") {
+    step.kind = Kind::Launch;
+    return parse_launch(PyTuple_GET_ITEM(spec, 1), step.launch);
+  }
+  const char *name, *overload;
+  PyObject *kind_name, *op_args;
+  if (kind != "op" || !PyArg_ParseTuple(spec, "OssO", &kind_name, &name, &overload, &op_args)) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a step's kind must be alloc, launch or op");
+    return false;
+  }
+  step.kind = Kind::Op;
+  try {
+    step.op = c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
+  } catch (const std::exception& ex) {
+    PyErr_SetString(PyExc_ValueError, ex.what());
+    return false;
+  }
+  PyObject* fast = PySequence_Fast(op_args, "an op's arguments: expected a sequence");
+  if (fast == nullptr) return false;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
+    const char* tag;
+    PyObject* what;
+    OpArg a;
+    bool ok = PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "sO", &tag, &what) &&
+              ((a.tensor = tag[0] == 't') ? parse_ref(what, a.ref) : parse_value(what, a.value));
+    if (!ok) {
+      Py_DECREF(fast);
+      return false;
+    }
+    step.args.push_back(std::move(a));
+  }
+  Py_DECREF(fast);
+  return true;
+}
+
+// Whether every reference of `steps` and `outputs` names an argument, an earlier value or a constant.
+bool references_resolve(const std::vector<Step>& steps, const std::vector<Ref>& outputs, size_t n_args,
+                        size_t n_constants) {
+  size_t values = 0;
+  auto fits = [&](Source s, uint32_t i) {
+    return s == Source::Input ? i < n_args : s == Source::Value ? i < values : i < n_constants;
+  };
+  for (const Step& step : steps) {
+    for (const Patch& p : step.launch.patches) {
+      if (!fits(p.source, p.index)) return false;
+    }
+    for (const OpArg& a : step.args) {
+      if (a.tensor && !fits(a.ref.source, a.ref.index)) return false;
+    }
+    values += step.kind != Kind::Launch;
+  }
+  for (const Ref& r : outputs) {
+    if (!fits(r.source, r.index)) return false;
+  }
+  return true;
+}
+
+// register(op, args, device, constants, steps, outputs, desc_input, variant, config, keep[, callable]): make
+// (or extend with a new descriptor variant) the entry of `args`' key. constants: tensors the steps use;
+// steps: see parse_step; outputs: tensor references (parse_ref); variant: the address of args[desc_input]
+// (0 when desc_input is -1); callable: instead of steps, a function of (sched, *the call's arguments after
+// the scope) returning the outputs; owner: a number forget() drops the entry by.
 PyObject* register_entry(PyObject*, PyObject* args) {
   long op, desc_input;
-  PyObject *call_args, *device, *allocations, *outputs, *launches, *config, *keep, *callable = Py_None;
-  if (!PyArg_ParseTuple(args, "lO!OOOlOOO|O", &op, &PyTuple_Type, &call_args, &device, &allocations, &outputs,
-                        &desc_input, &launches, &config, &keep, &callable)) {
+  unsigned long long variant;
+  long long owner = 0;
+  PyObject *call_args, *device, *constants, *steps, *outputs, *config, *keep, *callable = Py_None;
+  if (!PyArg_ParseTuple(args, "lO!OOOOlKOO|OL", &op, &PyTuple_Type, &call_args, &device, &constants, &steps,
+                        &outputs, &desc_input, &variant, &config, &keep, &callable, &owner)) {
     return nullptr;
   }
   std::string key;
@@ -370,64 +526,44 @@ PyObject* register_entry(PyObject*, PyObject* args) {
     return nullptr;
   }
   entry->desc_input = desc_input;
-  PyObject* fast = PySequence_Fast(allocations, "allocations: expected a sequence");
+  entry->owner = owner;
+  PyObject* fast = PySequence_Fast(constants, "constants: expected a sequence of tensors");
   if (fast == nullptr) return nullptr;
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
-    PyObject *sizes, *strides, *dtype;
-    Allocation a;
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "OOO!", &sizes, &strides, &THPDtypeType, &dtype) ||
-        !int64s(sizes, a.sizes) || !int64s(strides, a.strides)) {
+    PyObject* t = PySequence_Fast_GET_ITEM(fast, i);
+    if (!THPVariable_Check(t)) {
       Py_DECREF(fast);
+      PyErr_SetString(PyExc_TypeError, "a constant must be a tensor");
       return nullptr;
     }
-    a.dtype = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
-    entry->allocations.push_back(std::move(a));
+    entry->constants.push_back(THPVariable_Unpack(t));
   }
   Py_DECREF(fast);
   fast = PySequence_Fast(outputs, "outputs: expected a sequence");
   if (fast == nullptr) return nullptr;
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
-    PyObject *sizes, *strides;
-    Output o;
-    long long offset;
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "IOOL", &o.allocation, &sizes, &strides, &offset)) {
+    entry->outputs.emplace_back();
+    if (!parse_ref(PySequence_Fast_GET_ITEM(fast, i), entry->outputs.back())) {
       Py_DECREF(fast);
       return nullptr;
     }
-    o.whole = sizes == Py_None;
-    o.offset = offset;
-    if (o.allocation >= entry->allocations.size() ||
-        (!o.whole && (!int64s(sizes, o.sizes) || !int64s(strides, o.strides)))) {
-      Py_DECREF(fast);
-      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "an output names no allocation");
-      return nullptr;
-    }
-    entry->outputs.push_back(std::move(o));
   }
   Py_DECREF(fast);
-  PyObject *variant_address, *specs;
-  if (!PyArg_ParseTuple(launches, "OO", &variant_address, &specs)) return nullptr;
-  uint64_t variant = PyLong_AsUnsignedLongLong(variant_address);
-  if (PyErr_Occurred()) return nullptr;
-  std::vector<Launch> parsed;
-  fast = PySequence_Fast(specs, "launches: expected a sequence");
+  std::vector<Step> parsed;
+  fast = PySequence_Fast(steps, "steps: expected a sequence");
   if (fast == nullptr) return nullptr;
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
     parsed.emplace_back();
-    if (!parse_launch(PySequence_Fast_GET_ITEM(fast, i), parsed.back())) {
+    if (!parse_step(PySequence_Fast_GET_ITEM(fast, i), parsed.back())) {
       Py_DECREF(fast);
       return nullptr;
     }
-    for (const Patch& p : parsed.back().patches) {
-      size_t bound = p.allocation ? entry->allocations.size() : static_cast<size_t>(PyTuple_GET_SIZE(call_args));
-      if (p.index >= bound) {
-        Py_DECREF(fast);
-        PyErr_SetString(PyExc_ValueError, "a patch names no allocation or argument");
-        return nullptr;
-      }
-    }
   }
   Py_DECREF(fast);
+  if (!references_resolve(parsed, entry->outputs, PyTuple_GET_SIZE(call_args), entry->constants.size())) {
+    PyErr_SetString(PyExc_ValueError, "a step or output names no argument, earlier value or constant");
+    return nullptr;
+  }
   auto found = g_table.find(key);
   if (found != g_table.end() && found->second->desc_input == desc_input && desc_input >= 0) {
     found->second->variants[variant] = std::move(parsed);  // a new cache address of a known signature
@@ -463,6 +599,16 @@ PyObject* has(PyObject*, PyObject* args) {
   return PyBool_FromLong(e.variants.count(variant));
 }
 
+// forget(owner): drop the entries `owner` made (a layer that is gone: its weights are released).
+PyObject* forget(PyObject*, PyObject* arg) {
+  long long owner = PyLong_AsLongLong(arg);
+  if (owner == -1 && PyErr_Occurred()) return nullptr;
+  for (auto it = g_table.begin(); it != g_table.end();) {
+    it = it->second->owner == owner ? g_table.erase(it) : std::next(it);
+  }
+  Py_RETURN_NONE;
+}
+
 PyObject* clear(PyObject*, PyObject*) {
   g_table.clear();
   Py_RETURN_NONE;
@@ -493,10 +639,11 @@ PyObject* configure(PyObject*, PyObject* args) {
 PyMethodDef methods[] = {
     {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(call)), METH_FASTCALL,
      "call(op, poison, sched, *args): the outputs, or None when no entry fits"},
-    {"register", register_entry, METH_VARARGS, "register(op, args, device, allocations, outputs, desc_input, "
-                                               "(variant, launches), config, keep)"},
+    {"register", register_entry, METH_VARARGS, "register(op, args, device, constants, steps, outputs, desc_input, "
+                                               "variant, config, keep[, callable, owner])"},
     {"has", has, METH_VARARGS, "has(op, args): whether a call of args would find an entry"},
     {"clear", clear, METH_NOARGS, "forget every entry"},
+    {"forget", forget, METH_O, "forget(owner): drop the entries owner made"},
     {"size", size, METH_NOARGS, "how many entries there are"},
     {"hits", hits, METH_NOARGS, "how many calls entries have run"},
     {"configure", configure, METH_VARARGS, "configure(get_device, get_stream, test_launcher)"},

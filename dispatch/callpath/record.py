@@ -20,7 +20,10 @@ from typing import Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_ALLOCATIONS = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)
+_aten = torch.ops.aten
+_ALLOCATIONS = (_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default)
+# ATen ops an entry runs itself (through the dispatcher, from C++): the GEMMs of the MLA layer's step.
+OPS = (_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.bmm.out, _aten.add.Tensor)
 _PACK = {"i1": "<b", "i8": "<b", "u1": "<B", "u8": "<B", "i16": "<h", "u16": "<H", "i32": "<i", "u32": "<I",
          "i64": "<q", "u64": "<Q", "fp32": "<f", "f32": "<f", "fp64": "<d"}
 _PTX_BYTES = {"8": 1, "16": 2, "32": 4, "64": 8}
@@ -33,20 +36,29 @@ class Refused(Exception):
 
 
 class Watch(TorchDispatchMode):
-    """The torch ops of a watched call: its allocations kept, anything but views and output poisoning refused."""
+    """The torch ops of a watched call, in order with its launches (``events``, which the Triton launcher's
+    recorder appends to too): allocations and the ops an entry runs (:data:`OPS`) kept, anything but views
+    and output poisoning refused."""
 
     def __init__(self):
         super().__init__()
+        self.events: list = []
         self.allocations: list[torch.Tensor] = []
+        self.poisoned: set = set()  # the allocations anymla.buffers poisoned (by number)
         self.refused: Optional[str] = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if func in _ALLOCATIONS:
             self.allocations.append(out)
-        elif func is torch.ops.aten.fill_.Scalar and isinstance(args[1], float) and math.isnan(args[1]) and \
+            self.events.append(("alloc", out))
+        elif func in OPS:
+            self.events.append(("op", func, args, kwargs, out))
+        elif func is _aten.fill_.Scalar and isinstance(args[1], float) and math.isnan(args[1]) and \
                 any(args[0].data_ptr() == a.data_ptr() and args[0].numel() == a.numel() for a in self.allocations):
-            pass  # poisoning a fresh buffer (anymla.buffers' test mode): the entry poisons when asked to
+            # poisoning a fresh buffer (anymla.buffers' test mode): the entry poisons it too when asked to
+            self.poisoned.update(i for i, a in enumerate(self.allocations) if a.data_ptr() == args[0].data_ptr())
         elif not func.is_view and self.refused is None:
             self.refused = f"the call runs {func} (GPU work an entry does not repeat)"
         return out
@@ -84,19 +96,46 @@ def _extent(t: torch.Tensor) -> int:
     return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
+INPUT, VALUE, CONSTANT = 0, 1, 2  # a tensor's source (callpath.cpp's Source)
+
+
 class Places:
-    """Where an address lies: in which allocation or input argument, at which offset."""
+    """Where a call's tensors and addresses lie: in an input argument, a tensor an earlier step made (a
+    value), or a tensor the entry holds (a constant: a layer's weights and tables)."""
 
-    def __init__(self, inputs: dict, allocations: list):
-        self.spans = [(True, j, a.data_ptr(), a.untyped_storage().nbytes()) for j, a in enumerate(allocations)]
-        self.spans += [(False, i, t.data_ptr(), _extent(t)) for i, t in inputs.items()]
+    def __init__(self, inputs: dict, constants: list):
+        self.inputs, self.values, self.constants = inputs, [], list(constants)
 
-    def of(self, address: int) -> tuple[bool, int, int]:
-        found = {(alloc, i, address - base) for alloc, i, base, size in self.spans
-                 if base <= address < base + max(size, 1)}
-        if len(found) != 1:
-            raise Refused(f"an address lies in {'no tensor' if not found else 'two tensors'} of the call")
-        return found.pop()
+    def _spans(self):
+        for i, t in self.inputs.items():
+            yield INPUT, i, t, t.data_ptr(), _extent(t)
+        for kind, tensors in ((VALUE, self.values), (CONSTANT, self.constants)):
+            for j, t in enumerate(tensors):
+                yield kind, j, t, t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+
+    def of(self, address: int) -> tuple[int, int, int]:
+        """(source, index, byte offset) of the tensor ``address`` lies in."""
+        found = sorted({(kind, i, address - base) for kind, i, _, base, size in self._spans()
+                        if base <= address < base + max(size, 1)})
+        return self._one(found, "an address")
+
+    @staticmethod
+    def _one(found: list, what: str):
+        """The one place found; values may share a storage (an op writing into an allocation returns it),
+        and then the first made is taken."""
+        if not found or (len(found) > 1 and any(f[0] != VALUE for f in found)):
+            raise Refused(f"{what} of the call lies in {'no tensor' if not found else 'two tensors'} it knows")
+        return found[0]
+
+    def ref(self, t: torch.Tensor) -> tuple:
+        """``t`` as (source, index, sizes, strides, storage offset): a view of a source's storage, sizes None
+        where it is the source itself."""
+        storage = t.untyped_storage().data_ptr()
+        found = [(kind, i, s) for kind, i, s, _, _ in self._spans() if s.dtype == t.dtype and
+                 s.untyped_storage().data_ptr() == storage]
+        kind, i, s = self._one(found, "a tensor")
+        same = s.shape == t.shape and s.stride() == t.stride() and s.storage_offset() == t.storage_offset()
+        return (kind, i, None, None, 0) if same else (kind, i, tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
 
 def _pointer(value) -> int:
@@ -136,14 +175,15 @@ def launch_spec(direct, grid: tuple, args: list, places: Places) -> tuple:
         if ty.startswith("*"):
             address = _pointer(v)
             if address:
-                alloc, index, offset = places.of(address)
-                patches.append((len(params), alloc, index, offset))
+                kind, index, offset = places.of(address)
+                if kind != CONSTANT:  # a constant's address is the parameter's for good
+                    patches.append((len(params), kind, index, offset))
             params.append(struct.pack("<Q", address))
         elif ty == "nvTmaDesc":
-            alloc, index, _ = places.of(descs[seen].base.data_ptr())
+            kind, index, _ = places.of(descs[seen].base.data_ptr())
             seen += 1
-            if alloc or desc_input not in (None, index):
-                raise Refused("tensor descriptors over an allocation, or over two inputs")
+            if kind != INPUT or desc_input not in (None, index):
+                raise Refused("tensor descriptors over a value or constant, or over two inputs")
             desc_input = index
             params.append(_descriptor_bytes(v))
         elif ty in _PACK:
@@ -160,16 +200,16 @@ def launch_spec(direct, grid: tuple, args: list, places: Places) -> tuple:
     return launch, desc_input
 
 
-def output_specs(outputs: tuple, allocations: list) -> list:
-    """Each output as (allocation, sizes, strides, storage offset), sizes None where it is the allocation."""
+def op_spec(func, args: tuple, kwargs: dict, places: Places) -> tuple:
+    """An ATen op's step for ``callpath.cpp``: ("op", name, overload, its arguments in the schema's order,
+    each ("t", tensor reference) or ("v", constant))."""
     specs = []
-    for t in outputs:
-        match = [j for j, a in enumerate(allocations) if isinstance(t, torch.Tensor) and
-                 a.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() and a.dtype == t.dtype]
-        if len(match) != 1:
-            raise Refused("an output is not one of the call's allocations")
-        a = allocations[match[0]]
-        whole = t.shape == a.shape and t.stride() == a.stride() and t.storage_offset() == a.storage_offset()
-        specs.append((match[0], None, None, 0) if whole else
-                     (match[0], tuple(t.shape), tuple(t.stride()), t.storage_offset()))
-    return specs
+    for i, a in enumerate(func._schema.arguments):
+        v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name, a.default_value)
+        if isinstance(v, torch.Tensor):
+            specs.append(("t", places.ref(v)))
+        elif v is None or isinstance(v, (bool, int, float)):
+            specs.append(("v", v))
+        else:
+            raise Refused(f"{func}'s argument {a.name} is a {type(v).__name__}")
+    return ("op", func._schema.name, func._schema.overload_name, specs)

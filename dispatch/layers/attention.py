@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Mapping, Optional
 import torch
 import torch.nn.functional as F
 
-from .. import api
+from .. import api, callpath
+from ..buffers import poisoning
 from ..debug import debug_enabled
 from ..kvcache import KVCacheFormat
 from ..metadata import FlashMLASchedMeta, get_mla_metadata
@@ -154,7 +155,25 @@ class MLAAttention(torch.nn.Module):
         checked and planned on its first call (:meth:`_plan`); later calls launch only: on the Triton tier a
         decode step is five torch GEMMs, two Triton kernels and the attention call.
         """
+        entry = callpath.entry_point(None)
+        settings = callpath.number((self.kernel_backend, self.attention_backend))
+        if entry is not None:
+            out = entry[0](callpath.MLA_STEP, poisoning(), None, entry[1], id(self), settings, hidden_states,
+                           positions, kv_cache, block_table, cache_seqlens, indices, residual)
+            if out is not None:
+                return out[0]
         plan = self._plan_for(hidden_states, positions, kv_cache, block_table, cache_seqlens, indices, residual)
+        step = lambda: self._step(plan, hidden_states, positions, kv_cache, block_table, cache_seqlens,  # noqa: E731
+                                  indices, residual)
+        if plan.kernels != "triton" or not callpath.steps_recordable(kv_cache.device):
+            return step()
+        constants = [b for b in self.buffers()] + ([] if plan.every_position is None else [plan.every_position])
+        return callpath.record_step(entry, self, constants, callpath.MLA_STEP, (
+            id(self), settings, hidden_states, positions, kv_cache, block_table, cache_seqlens, indices, residual), step)
+
+    def _step(self, plan: "_StepPlan", hidden_states, positions, kv_cache, block_table, cache_seqlens, indices,
+              residual) -> torch.Tensor:
+        """:meth:`forward`'s Python path for a call of ``plan``'s signature."""
         c, h = self.config, self.config.num_heads
         b, s, _ = hidden_states.shape
         t, nope = b * s, c.qk_nope_head_dim
