@@ -27,7 +27,7 @@ from .record import Places, Refused, Watch, launch_spec, op_spec
 
 DECODE, PREFILL, MLA_STEP = 0, 1, 2  # the ops entries are kept for (a key's first part)
 _state: dict = {"stamp": None, "refused": {}, "test_device": False, "hooks": None, "watching": False,
-                "owners": set()}
+                "watch": None, "owners": set()}
 _native_state = native._state
 _scopes: dict = {}  # a selection scope (forced backends, their source, scoped settings), or settings -> its number
 
@@ -77,6 +77,10 @@ def record(entry: Optional[tuple], decision, op: int, problem, args: tuple, run:
     it can be; ``entry`` is what :func:`entry_point` returned for this call and ``args`` the call's key
     arguments after its scope. Other backends than the Triton tier give their own form of the calls
     (``Backend.entry``) or none."""
+    if _state["watching"] and decision.backend != "triton":
+        # inside a watched layer step: this call's kernels would not be seen (another backend launches them
+        # itself), so the step cannot become an entry
+        _state["watch"].refuse(f"its {decision.op} call runs on {decision.backend}, whose launches are not seen")
     if not _eligible(decision):
         return run()
     mod = native.module()
@@ -143,13 +147,13 @@ def _watched(run: Callable) -> tuple:
     from anymla.triton_kernels import launcher
     watch = Watch()
     launcher.RECORDER[0] = watch.events
-    _state["watching"] = True
+    _state["watching"], _state["watch"] = True, watch
     try:
         with watch:
             result = run()
     finally:
         launcher.RECORDER[0] = None
-        _state["watching"] = False
+        _state["watching"], _state["watch"] = False, None
     return result, watch
 
 

@@ -47,6 +47,9 @@ class Watch(TorchDispatchMode):
         self.poisoned: set = set()  # the allocations anymla.buffers poisoned (by number)
         self.refused: Optional[str] = None
 
+    def refuse(self, why: str) -> None:
+        self.refused = self.refused or why
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -59,8 +62,8 @@ class Watch(TorchDispatchMode):
                 any(args[0].data_ptr() == a.data_ptr() and args[0].numel() == a.numel() for a in self.allocations):
             # poisoning a fresh buffer (anymla.buffers' test mode): the entry poisons it too when asked to
             self.poisoned.update(i for i, a in enumerate(self.allocations) if a.data_ptr() == args[0].data_ptr())
-        elif not func.is_view and self.refused is None:
-            self.refused = f"the call runs {func} (GPU work an entry does not repeat)"
+        elif not func.is_view:
+            self.refuse(f"the call runs {func} (GPU work an entry does not repeat)")
         return out
 
 
