@@ -3,7 +3,7 @@
 The public functions try :func:`entry_point` first; it returns the call's outputs when an entry of the
 call's key exists, and None otherwise, and then the Python path runs (validate, select, plan, launch). On
 that path, :func:`record` watches a call the Triton tier runs and turns it into an entry
-(``record.py`` says when it refuses, ``callpath.cpp`` how an entry runs). An entry is the decision's plan in
+(``watch.py`` says when it refuses, ``callpath.cpp`` how an entry runs). An entry is the decision's plan in
 compiled form, made from what that plan did: no choice is made twice.
 
 Entries are kept per selection scope (the ``backend=`` keyword, :func:`anymla.use_backend` or
@@ -23,7 +23,7 @@ from ..selection import _SETTINGS, _override, _sync_tuning
 from . import native
 import torch
 
-from .record import Places, Refused, Watch, launch_spec, op_spec
+from .watch import Places, Refused, Watch, launch_spec, op_spec
 
 DECODE, PREFILL, MLA_STEP = 0, 1, 2  # the ops entries are kept for (a key's first part)
 _state: dict = {"stamp": None, "refused": {}, "test_device": False, "hooks": None, "watching": False,

@@ -2,19 +2,21 @@
 //
 // The Python path of a call (validate, select, plan, launch) is made once per call signature and then costs
 // the host tens of microseconds a call in Python: the signature's key, the outputs' allocations, the glue of
-// the plan and Triton's launcher. What a Triton plan does for a signature is fixed: which buffers it
-// allocates (shapes, strides, dtypes), which kernels it launches with which grid, and each kernel parameter,
-// which is either a constant of the signature or the address of one of the call's tensors (an input or an
-// allocation) plus a fixed offset. `anymla.callpath.record` watches one Python-path call and hands that
-// description here (`register`); later calls of the same key (`call`) allocate, write the call's addresses
-// into the kept parameter buffers and launch with cuLaunchKernel, all in C++.
+// the plan and Triton's launcher. What the Triton tier does for a signature is fixed: the buffers it
+// allocates (shapes, strides, dtypes), the ATen ops it runs (an MLA layer step's GEMMs), the kernels it
+// launches with which grid, and each kernel parameter, which is a constant of the signature or the address of
+// one of the call's tensors (an argument, or a tensor an earlier step made) plus a fixed offset.
+// `anymla.callpath` watches one Python-path call and hands that description here as ordered steps
+// (`register`); later calls of the same key (`call`) run the steps: allocate, call the ops through ATen's
+// dispatcher, write the call's addresses into the kept parameter buffers and launch with cuLaunchKernel.
+// A backend with its own form of a signature's calls (the FlashMLA peer) gives a callable instead.
 //
 // A key holds every argument's kind and value as the Python path's decision key does (tensors: dtype,
 // device, sizes, strides and whether the address is 16-byte aligned, which Triton specializes on; ints,
 // bools and floats by value), so a hit is a call the Python path has validated and planned. The scheduling
 // metadata object is not part of the key: a call's object must be unused or bound to the entry's
 // configuration (what FlashMLASchedMeta.bind checks), else the call takes the Python path, which raises.
-// Kernels whose tensor-memory descriptors encode an input's address (the cache) keep one parameter set a
+// Kernels whose tensor-memory descriptors encode an input's address (the cache) keep one set of steps a
 // cache address ("variants"): a model's layers each pass their own cache with one signature.
 
 #include <Python.h>
