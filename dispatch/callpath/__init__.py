@@ -123,14 +123,17 @@ def record_step(entry: Optional[tuple], owner, constants: list, op: int, args: t
     if entry is None:
         return run()
     args = (entry[1], *args)
-    key = (op, id(owner), mod.has(op, args))
-    if key[2] or key[:2] in _state["refused"]:
+    if mod.has(op, args):
+        return run()
+    # refusals per signature (one that runs other ops, a prefill's say, leaves the others free to have entries)
+    key = (op, *((a.shape, a.dtype, a.device, a.stride()) if isinstance(a, torch.Tensor) else a for a in args))
+    if key in _state["refused"]:
         return run()
     result, watch = _watched(run)
     if id(owner) not in _state["owners"]:
         _state["owners"].add(id(owner))
         weakref.finalize(owner, _forget, id(owner))
-    _make(mod, None, op, args, (result,), watch, key[:2], constants, id(owner), f"{type(owner).__name__} step")
+    _make(mod, None, op, args, (result,), watch, key, constants, id(owner), f"{type(owner).__name__} step")
     return result
 
 
