@@ -1,8 +1,9 @@
 """The public, FlashMLA-compatible functions. Each builds a problem record and hands it to the dispatcher.
 
-The path of a call: public function -> :mod:`anymla.problems` record -> :func:`anymla.selection.select`
+The path of a call: the compiled entry point (:mod:`anymla.callpath`: a call whose key it has seen runs there,
+in C++) or else public function -> :mod:`anymla.problems` record -> :func:`anymla.selection.select`
 (validate and plan once per signature, check the values on every call) -> ``decision.run(problem)``: the
-chosen backend launches with the cached plan. Under ``torch.compile`` the call becomes one ``torch.ops.anymla``
+chosen backend launches with the cached plan, watched the first time to make the entry. Under ``torch.compile`` the call becomes one ``torch.ops.anymla``
 custom op (see :mod:`anymla.library_ops`) that builds the same record and takes this same path when the
 compiled graph runs; its fake implementation runs the same validation while tracing.
 """

@@ -1,10 +1,11 @@
-"""The compiled call path: a repeated call of a signature the Triton tier has planned, run in C++.
+"""The compiled call path: a repeated call (or MLA layer step) of a signature already planned, run in C++.
 
-The public functions try :func:`entry_point` first; it returns the call's outputs when an entry of the
-call's key exists, and None otherwise, and then the Python path runs (validate, select, plan, launch). On
-that path, :func:`record` watches a call the Triton tier runs and turns it into an entry
-(``watch.py`` says when it refuses, ``callpath.cpp`` how an entry runs). An entry is the decision's plan in
-compiled form, made from what that plan did: no choice is made twice.
+The public functions (and ``MLAAttention.forward``) try :func:`entry_point` first; it returns the call's
+outputs when an entry of the call's key exists, and None otherwise, and then the Python path runs (validate,
+select, plan, launch). On that path, :func:`record` (:func:`record_step`) watches a call the Triton tier runs
+and turns it into an entry (``watch.py`` says when it refuses, ``callpath.cpp`` how an entry runs); a peer
+that has its own form of a signature's calls (``Backend.entry``) gives that instead. An entry is the
+decision's plan in compiled form, made from what that plan did: no choice is made twice.
 
 Entries are kept per selection scope (the ``backend=`` keyword, :func:`anymla.use_backend` or
 ``ANYMLA_BACKEND``, scoped settings such as ``tuning.forced``), as decisions are. The entry point is not used
@@ -17,12 +18,12 @@ from __future__ import annotations
 import weakref
 from typing import Callable, Optional
 
+import torch
+
 from ..debug import debug_enabled
 from ..registry import generation
 from ..selection import _SETTINGS, _override, _sync_tuning
 from . import native
-import torch
-
 from .watch import Places, Refused, Watch, launch_spec, op_spec
 
 DECODE, PREFILL, MLA_STEP = 0, 1, 2  # the ops entries are kept for (a key's first part)
@@ -85,7 +86,7 @@ def record(entry: Optional[tuple], decision, op: int, problem, args: tuple, run:
         return run()
     mod = native.module()
     if entry is None:
-        if mod is None and decision.backend == "triton":
+        if mod is None:
             native.build()  # in the background: this and later calls take the Python path meanwhile
         return run()
     args = (entry[1], *args)
@@ -176,7 +177,7 @@ def _register(mod, decision, op: int, args: tuple, result: tuple, watch: Watch, 
     if watch.refused:
         raise Refused(watch.refused)
     places = Places({i: a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}, constants)
-    steps, desc_inputs, device = [], set(), None
+    steps, desc_inputs, device, kernels = [], set(), None, []
     allocated = 0
     for event in watch.events:
         if event[0] == "alloc":
@@ -196,6 +197,7 @@ def _register(mod, decision, op: int, args: tuple, result: tuple, watch: Watch, 
                 raise Refused("a launch went through no compiled kernel's launcher")
             spec, desc_input = launch_spec(direct, grid, flat, places)
             steps.append(("launch", spec))
+            kernels.append(direct)
             desc_inputs.add(desc_input)
     desc_inputs.discard(None)
     if len(desc_inputs) > 1:
@@ -207,7 +209,7 @@ def _register(mod, decision, op: int, args: tuple, result: tuple, watch: Watch, 
     outputs = [places.ref(t) for t in result]
     try:
         mod.register(op, args, _device_spec(device), list(places.constants), steps, outputs, desc_input, variant,
-                     decision.sched_config if decision is not None else None, decision, None, owner)
+                     decision.sched_config if decision is not None else None, (decision, kernels), None, owner)
     except (TypeError, ValueError) as e:
         raise Refused(f"the extension took no entry: {e}") from None
 
@@ -223,7 +225,6 @@ def prepare(device) -> str:
 
 def _device_spec(device) -> tuple[str, int]:
     """``(type, index)`` of an entry's device (its current device where a CUDA device has no index)."""
-    import torch
     if device.type == "cuda" and device.index is None:
         return "cuda", torch.cuda.current_device()
     return device.type, -1 if device.index is None else device.index

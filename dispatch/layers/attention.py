@@ -153,7 +153,8 @@ class MLAAttention(torch.nn.Module):
 
         What a call signature fixes (shapes, dtypes, strides, devices, which optional inputs are given) is
         checked and planned on its first call (:meth:`_plan`); later calls launch only: on the Triton tier a
-        decode step is five torch GEMMs, two Triton kernels and the attention call.
+        decode step is five torch GEMMs, two Triton kernels and the attention call, which after the first
+        call of a signature run from one compiled entry (:mod:`anymla.callpath`) without Python.
         """
         entry = callpath.entry_point(None)
         settings = callpath.number((self.kernel_backend, self.attention_backend))
