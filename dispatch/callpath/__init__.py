@@ -62,15 +62,19 @@ def entry_point(backend) -> Optional[tuple[Callable, int]]:
     return mod.call, number((*_override(backend), _SETTINGS.get()))
 
 
+# Entries launch with CUDA's driver: NVIDIA GPUs only (torch's ROCm build calls AMD GPUs "cuda" too).
+_NVIDIA = torch.version.hip is None
+
+
 def _eligible(decision) -> bool:
-    """Whether the decision's calls can have entries: on a CUDA device (or, in tests, any device while a
+    """Whether the decision's calls can have entries: on an NVIDIA GPU (or, in tests, any device while a
     stand-in for the driver is configured), the Triton tier's or those of a backend that has its own form."""
-    return decision.device.startswith("cuda") or _state["test_device"]
+    return (_NVIDIA and decision.device.startswith("cuda")) or _state["test_device"]
 
 
 def steps_recordable(device) -> bool:
     """Whether a layer's steps on ``device`` can have entries (as :func:`_eligible` for calls)."""
-    return device.type == "cuda" or _state["test_device"]
+    return (_NVIDIA and device.type == "cuda") or _state["test_device"]
 
 
 def record(entry: Optional[tuple], decision, op: int, problem, args: tuple, run: Callable):
@@ -79,8 +83,8 @@ def record(entry: Optional[tuple], decision, op: int, problem, args: tuple, run:
     arguments after its scope. Other backends than the Triton tier give their own form of the calls
     (``Backend.entry``) or none."""
     if _state["watching"] and decision.backend != "triton":
-        # inside a watched layer step: this call's kernels would not be seen (another backend launches them
-        # itself), so the step cannot become an entry
+        # inside a watched layer step: a watch sees the Triton tier's launches (through its launcher) and torch
+        # ops only, and another backend may launch kernels itself, so the step cannot become an entry
         _state["watch"].refuse(f"its {decision.op} call runs on {decision.backend}, whose launches are not seen")
     if not _eligible(decision):
         return run()
