@@ -429,6 +429,32 @@ def test_no_step_entry_where_the_attention_runs_on_a_peer(stand_ins, monkeypatch
     assert any("runs on flashmla" in r for r in callpath.refusals()), callpath.refusals()
 
 
+@cpu_only
+def test_an_entrys_aten_ops_compute_what_the_python_path_computes(compiled_path):
+    """The ATen steps of an entry, run for real on the CPU: a layer step's glue (GEMMs into views of
+    allocations, transposed operands, a residual through addmm) watched once, then replayed from C++ on fresh
+    inputs, gives the Python function's result bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    w_a, w_uk, w_o = (torch.randn(*shape, generator=g) for shape in ((24, 16), (4, 3, 8), (10, 4 * 8)))
+
+    def glue(x, residual):
+        t = x.shape[0]
+        a = torch.nn.functional.linear(x, w_a).view(t, 4, 6)
+        q = torch.empty(t, 4, 8)
+        torch.bmm(a[..., :3].transpose(0, 1), w_uk, out=q.transpose(0, 1))
+        return torch.addmm(residual, q.reshape(t, 32), w_o.t()).view(t, 1, 10)
+
+    mod = native.module()
+    args = (7, torch.randn(5, 16, generator=g), torch.randn(5, 10, generator=g))  # (a scope, then the inputs)
+    result, watch = callpath._watched(lambda: glue(*args[1:]))
+    callpath._make(mod, None, callpath.MLA_STEP, args, (result,), watch, "test", [w_a, w_uk, w_o], 0, "glue")
+    assert mod.has(callpath.MLA_STEP, args), callpath.refusals()
+    fresh = (7, torch.randn(5, 16, generator=g), torch.randn(5, 10, generator=g))
+    (got,) = mod.call(callpath.MLA_STEP, False, None, *fresh)
+    expected = glue(*fresh[1:])
+    assert torch.equal(got, expected) and got.stride() == expected.stride()
+
+
 def test_ptx_parameters_are_read_in_order_with_their_sizes():
     """The form of Triton's PTX entries (pointers, 32-bit ints and floats, bytes, 64-bit ints, a 128-byte
     tensor map)."""
