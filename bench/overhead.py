@@ -7,9 +7,10 @@ Three measurements:
   call pays on the CPU before its kernels.
 - ``host`` (CUDA): the whole eager path of real calls on the GPU, launches included: host µs to enqueue one
   call (the device drained before each sample) and wall µs per call back to back (a decode loop without CUDA
-  graphs), for anymla and, where ``flash_mla`` imports, FlashMLA called directly; for anymla also the host time
-  with the kernel launches skipped, which separates the launches from the Python path and allocations, and
-  (``--steps``) the inclusive host µs per call of each step of the path.
+  graphs), for anymla (through the compiled call path, as users get it) and, where ``flash_mla`` imports,
+  FlashMLA called directly; and for anymla's Python path (``anymla-python``, :func:`anymla.callpath.python_path`)
+  also its host time with the kernel launches skipped, which separates the launches from the Python work and
+  allocations, and (``--steps``) the inclusive host µs per call of each step of that path.
 - ``primitive`` (CUDA): the host cost of the torch operations a call makes (an allocation, a view, ...).
 - ``cold`` (CUDA): a server's first call at every batch size 1..256 in a new process: how many kernels
   that compiles (or loads from Triton's cache) without :func:`anymla.warmup`, and, for another
@@ -20,6 +21,7 @@ Three measurements:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import functools
 import importlib.util
@@ -374,25 +376,34 @@ def host(device, profile: bool = False, steps: bool = False) -> list[dict]:
         if have_flash_mla:  # the dispatcher may pick FlashMLA then: the Triton tier's own path too
             calls["anymla-triton"] = _anymla_call(op, a, "triton")
             calls["flashmla"] = _flash_mla_call(op, a)
+        # the Python path (the compiled call path off): where its host time goes, with and without launches
+        calls["anymla-python"] = _anymla_call(op, a, "triton" if have_flash_mla else None)
         for who, fn in calls.items():
-            host_us, eager_us, stream_us = _eager(fn, device)
-            row = dict(part="host", case=name, who=who, host_us=host_us, eager_us=eager_us, host_stream_us=stream_us)
-            text = ""
-            if who.startswith("anymla"):
-                row["host_without_launches_us"], row["host_stream_without_launches_us"] = _without_launches(fn, device)
-                row["launches_alone_us"], row["launches_alone_stream_us"] = _launches_alone(fn, device)
-                row["c_launchers_alone_stream_us"] = _c_launches_alone(fn, device)
-                text = (f"   without the launches {row['host_without_launches_us']:.1f} / "
-                        f"{row['host_stream_without_launches_us']:.1f}   the launches alone "
-                        f"{row['launches_alone_us']:.1f} / {row['launches_alone_stream_us']:.1f}   their C launchers "
-                        f"alone {row['c_launchers_alone_stream_us']:.1f}")
+            python = who == "anymla-python"
+            with callpath.python_path() if python else contextlib.nullcontext():
+                host_us, eager_us, stream_us = _eager(fn, device)
+                row = dict(part="host", case=name, who=who, host_us=host_us, eager_us=eager_us,
+                           host_stream_us=stream_us)
+                text = ""
+                if python:
+                    row["host_without_launches_us"], row["host_stream_without_launches_us"] = \
+                        _without_launches(fn, device)
+                    row["launches_alone_us"], row["launches_alone_stream_us"] = _launches_alone(fn, device)
+                    row["c_launchers_alone_stream_us"] = _c_launches_alone(fn, device)
+                    text = (f"   without the launches {row['host_without_launches_us']:.1f} / "
+                            f"{row['host_stream_without_launches_us']:.1f}   the launches alone "
+                            f"{row['launches_alone_us']:.1f} / {row['launches_alone_stream_us']:.1f}   their C "
+                            f"launchers alone {row['c_launchers_alone_stream_us']:.1f}")
             rows.append(row)
             print(f"host  {name:32s} {who:13s} host {host_us:7.1f} µs/call (in a stream {stream_us:6.1f})   "
                   f"eager {eager_us:8.1f} µs/call" + text, flush=True)
             if profile and who.startswith("anymla"):
-                _profile(name, fn)
-            if steps and who.startswith("anymla"):
-                for label, us in _steps(fn).items():
+                with callpath.python_path() if python else contextlib.nullcontext():
+                    _profile(name, fn)
+            if steps and python:
+                with callpath.python_path():
+                    timed = _steps(fn)
+                for label, us in timed.items():
                     rows.append(dict(part="step", case=name, who=label, host_us=us))
                     print(f"step  {name:32s} {label:34s} {us:7.1f} µs/call", flush=True)
         del a, calls

@@ -8,7 +8,6 @@ parameters as the Python path given the same tensors: the call's own addresses w
 them, every other parameter equal. On a GPU the same calls are compared by their results (further below).
 """
 
-import contextlib
 import functools
 import inspect
 import itertools
@@ -354,15 +353,6 @@ def _layer_and_inputs(fmt, seed=0, device="cpu", topk=16):
 LAYER_FORMATS = [kvcache.KVCacheFormat.BF16, kvcache.KVCacheFormat.V32_FP8]
 
 
-@contextlib.contextmanager
-def _python_path():
-    """Calls inside take the Python path (the extension hidden from the entry point)."""
-    mod = native._state["module"]
-    native._state["module"] = None
-    try:
-        yield
-    finally:
-        native._state["module"] = mod
 
 
 @cpu_only
@@ -381,7 +371,7 @@ def test_a_layer_step_runs_in_cpp_what_its_python_path_runs(stand_ins, fmt):
         _, fresh = _layer_and_inputs(fmt, seed=1)
         fresh["kv_cache"] = inp["kv_cache"]  # the layer writes the cache it was given
         python_launches.clear()
-        with _python_path():  # (debug checks would read the slots the stand-in kernels never write)
+        with callpath.python_path():  # (debug checks would read the slots the stand-in kernels never write)
             expected = layer(**fresh)
         hits = mod.hits()
         got = layer(**fresh)
@@ -421,7 +411,7 @@ def test_no_step_entry_where_the_attention_runs_on_a_peer(stand_ins, monkeypatch
     layer, inp = _layer_and_inputs(kvcache.KVCacheFormat.V32_FP8, topk=64)  # (FlashMLA: topk in 64s)
     layer.attention_backend = "flashmla"
     with anymla.use_backend("triton"), torch.no_grad():
-        with _python_path():  # (the first call's validation and planning run torch ops of their own)
+        with callpath.python_path():  # (the first call's validation and planning run torch ops of their own)
             layer(**inp)
         for _ in range(3):
             layer(**inp)
@@ -529,7 +519,7 @@ def test_a_layer_step_through_the_compiled_path_gives_its_python_paths_output(fm
         layer(**inp)
         _, fresh = _layer_and_inputs(fmt, seed=1, device=DEVICE)
         cache = fresh["kv_cache"]
-        with _python_path():
+        with callpath.python_path():
             expected = layer(**fresh)
         written = cache.clone()
         cache.copy_(_layer_and_inputs(fmt, seed=1, device=DEVICE)[1]["kv_cache"])

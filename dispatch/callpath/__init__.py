@@ -9,12 +9,14 @@ decision's plan in compiled form, made from what that plan did: no choice is mad
 
 Entries are kept per selection scope (the ``backend=`` keyword, :func:`anymla.use_backend` or
 ``ANYMLA_BACKEND``, scoped settings such as ``tuning.forced``), as decisions are. The entry point is not used
-with debug checks on (they read the data every call) or while a Triton launch hook is installed (profilers
-read launches there); a change of the tuning file or of the backend registry forgets every entry.
+with debug checks on (they read the data every call), while a Triton launch hook is installed (profilers
+read launches there) or inside :func:`python_path`; a change of the tuning file or of the backend registry forgets every entry.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import weakref
 from typing import Callable, Optional
 
@@ -30,6 +32,7 @@ DECODE, PREFILL, MLA_STEP = 0, 1, 2  # the ops entries are kept for (a key's fir
 _state: dict = {"stamp": None, "refused": {}, "test_device": False, "hooks": None, "watching": False,
                 "watch": None, "owners": set()}
 _native_state = native._state
+_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("anymla_python_path", default=False)
 _scopes: dict = {}  # a selection scope (forced backends, their source, scoped settings), or settings -> its number
 
 
@@ -41,13 +44,23 @@ def _launch_hooks() -> tuple:
     return () if knobs is None else ((knobs, _installed), )
 
 
+@contextlib.contextmanager
+def python_path():
+    """Run the calls inside the block on the Python path, as without the extension (comparisons, profiling)."""
+    token = _OFF.set(True)
+    try:
+        yield
+    finally:
+        _OFF.reset(token)
+
+
 def entry_point(backend) -> Optional[tuple[Callable, int]]:
     """``(call, scope)``: the compiled entry point ``call(op, poison, sched, scope, *args)`` and the number of
     the call's selection scope (its ``backend`` keyword, :func:`anymla.use_backend` context or
     ``ANYMLA_BACKEND``, and scoped settings: a decision is made for one scope, so an entry is kept for one);
     None while calls must take the Python path (see the module's docstring)."""
     mod = _native_state["module"]
-    if mod is None or _state["watching"] or debug_enabled():
+    if mod is None or _state["watching"] or _OFF.get() or debug_enabled():
         return None
     hooks = _state["hooks"]
     if hooks is None:
