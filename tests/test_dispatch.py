@@ -553,10 +553,11 @@ def test_flashmla_peer_measured_regimes(monkeypatch):
     monkeypatch.setattr(flashmla_peer, "_arch", lambda device: 9)
     cuda = torch.device("cuda")
 
-    def faster(op, q_shape, fmt=None, device=cuda, topk=2048):
+    def faster(op, q_shape, fmt=None, device=cuda, topk=2048, extra_topk=None):
+        extra = None if extra_topk is None else torch.empty(extra_topk, device="meta")
         return bool(peer.measured_faster(SimpleNamespace(op=op, device=device, fmt=fmt,
                                                          q=torch.empty(q_shape, device="meta"),
-                                                         indices=torch.empty(topk, device="meta"))))
+                                                         indices=torch.empty(topk, device="meta"), extra_indices=extra)))
     assert not faster("sparse_prefill", (4096, 16, 576)) and faster("sparse_prefill", (4096, 17, 576))
     assert faster("sparse_prefill", (4096, 128, 512))
     assert not faster("sparse_decode", (128, 1, 32, 576), F.V32_FP8)
@@ -565,6 +566,8 @@ def test_flashmla_peer_measured_regimes(monkeypatch):
     assert faster("sparse_decode", (64, 1, 64, 576), F.V32_FP8) and \
         not faster("sparse_decode", (4, 1, 64, 576), F.V32_FP8, topk=512), "a host-bound call: anymla's own"
     assert not faster("sparse_prefill", (256, 128, 576), topk=128)
+    assert faster("sparse_decode", (128, 2, 64, 512), F.MODEL1_FP8, topk=128, extra_topk=512), \
+        "FlashMLA's CONFIG1: the extra cache's keys count"
     assert not faster("sparse_decode", (128, 1, 64, 512), F.V41_FP8)
     assert not faster("dense_decode", (128, 1, 128, 576))
     assert not faster("sparse_prefill", (4096, 128, 576), device=torch.device("cpu"))
