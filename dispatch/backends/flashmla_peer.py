@@ -104,8 +104,9 @@ _FASTER_ON_SM90 = {
 # Where FlashMLA's kernels are faster, they are so on the GPU; called eagerly, a call through the peer also
 # pays FlashMLA's host cost and anymla's Python path (55-75 µs a call on an H200's host, 2026-12-02, where
 # anymla's own kernels through the compiled call path take 20-32). So the peer is chosen only for calls whose
-# GPU time hides that: at least this many (query row, key) pairs (the extra cache's keys too), ~60 µs of anymla's GPU time (V3.2 decoding
-# b64 h64 topk 2048 has 8.4 M and takes 87-94 µs; b4 h64 topk 512, 0.13 M, 20 µs).
+# GPU time hides that: at least this many (query row, key) pairs, the extra cache's keys counted too, ~60 µs of
+# anymla's GPU time (V3.2 decoding b64 h64 topk 2048 has 8.4 M and takes 87-94 µs; b4 h64 topk 512, 0.13 M,
+# 20 µs; FlashMLA's CONFIG1, 10.5 M).
 _GPU_BOUND_PAIRS = 6 << 20
 
 
