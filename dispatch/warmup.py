@@ -38,9 +38,12 @@ _BATCHED = {
                                "extra_indices_in_kvcache", "extra_topk_length"),
     "flash_mla_sparse_fwd": ("q", "indices", "topk_length"),
 }
-# Values for the replayed calls: nothing attendable (no row is read), so any cache works.
-_FILL = {"indices": -1, "extra_indices_in_kvcache": -1, "cache_seqlens": 0, "topk_length": 0,
-         "extra_topk_length": 0, "block_table": 0}
+# Values for the replayed calls: one attendable row a query, slot 0 (block 0, row 0) of its cache, so that each
+# kernel's main loop runs once before the first real call while the replays read next to nothing; a cache of
+# no rows gets nothing attendable (-1 everywhere).
+_FILL = {"indices": -1, "extra_indices_in_kvcache": -1, "cache_seqlens": 1, "topk_length": 1,
+         "extra_topk_length": 1, "block_table": 0}
+_CACHE_OF = {"indices": ("k_cache", "kv"), "extra_indices_in_kvcache": ("extra_k_cache",)}
 
 
 @dataclass(frozen=True)
@@ -57,10 +60,14 @@ class WarmupReport:
                 f"kernels compiled or loaded, {self.seconds:.2f} s")
 
 
-def _resized(name: str, t: torch.Tensor, n: int) -> torch.Tensor:
-    """``t`` with ``n`` rows in the same layout (strides) as the example, filled with a harmless value."""
+def _resized(name: str, t: torch.Tensor, n: int, example: dict) -> torch.Tensor:
+    """``t`` with ``n`` rows in the same layout (strides) as the example, filled with harmless values."""
     out = torch.empty_strided((n, *t.shape[1:]), t.stride(), dtype=t.dtype, device=t.device)
-    return out.fill_(_FILL.get(name, 0))
+    out.fill_(_FILL.get(name, 0))
+    caches = [example.get(c) for c in _CACHE_OF.get(name, ())]
+    if any(isinstance(c, torch.Tensor) and c.shape[0] > 0 for c in caches) and out.shape[-1]:
+        out[..., 0] = 0
+    return out
 
 
 def warmup(op: Union[str, Callable], sizes: Iterable[int] = range(1, 257), **example) -> WarmupReport:
@@ -68,8 +75,8 @@ def warmup(op: Union[str, Callable], sizes: Iterable[int] = range(1, 257), **exa
 
     ``example`` holds the keyword arguments of one real call of the configuration (the cache, head count,
     formats, page size and the layouts of the per-request tensors are taken from it; its values are not
-    used). Runs each replay for real on the device (with nothing attendable, so it is fast) and
-    synchronizes once at the end. Returns how many new decisions and kernels that took.
+    used). Runs each replay for real on the device (each query attending one row, slot 0 of the cache: fast,
+    and every kernel's main loop has run once) and synchronizes once at the end. Returns how many new decisions and kernels that took.
     """
     fn = _OPS.get(op) if isinstance(op, str) else op
     if fn not in _OPS.values():
@@ -88,7 +95,7 @@ def warmup(op: Union[str, Callable], sizes: Iterable[int] = range(1, 257), **exa
         args = dict(example)
         for key in _BATCHED[name]:
             if isinstance(args.get(key), torch.Tensor):
-                args[key] = _resized(key, args[key], n)
+                args[key] = _resized(key, args[key], n, example)
         if "tile_scheduler_metadata" in args:
             args["tile_scheduler_metadata"] = None
         out = fn(**args)
