@@ -228,18 +228,7 @@ def _decision(problem, chosen: str, source: str, reasons: dict, measured: str = 
     plan = impl.plan(problem)
     return Decision(problem.op, chosen, source, str(problem.device), problem.shape_key(), rejected, impl,
                     tuple(impl.caveats(problem.device)), getattr(plan, "description", ""), plan,
-                    _one_object(problem.sched_config()) if hasattr(problem, "sched_config") else None, measured)
-
-
-_CONFIGS: dict = {}
-
-
-def _one_object(config):
-    """One object for equal configurations, so a metadata object bound by one decision is known to fit
-    another's by identity (what the compiled call path tests)."""
-    if len(_CONFIGS) >= _CACHE_LIMIT:
-        _CONFIGS.clear()
-    return _CONFIGS.setdefault(config, config)
+                    problem.sched_config() if hasattr(problem, "sched_config") else None, measured)
 
 
 def select(problem, backend: BackendChoice = None) -> Decision:

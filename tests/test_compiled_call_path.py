@@ -162,11 +162,6 @@ CALLS = {
 }
 
 
-def _fresh(make, seed):
-    """Arguments of the same signature at new addresses (the cache too)."""
-    return make(seed=seed)
-
-
 def _roles(launches, tensors: dict):
     """Each launch parameter of a call as the Python path and the C++ path must agree on it: an address as
     (which of the call's tensors, offset) where it lies in one, an address in none (a workspace the call
@@ -201,7 +196,7 @@ def test_a_repeated_call_launches_in_cpp_what_the_python_path_launches(stand_ins
         args, kwargs = make()
         fn(*args, **kwargs)  # the first call: planned, compiled (interpreted here), made an entry
         assert native.module().size() == 1, callpath.refusals()
-        args, kwargs = _fresh(make, 1)
+        args, kwargs = make(seed=1)
         python_launches.clear()
         with anymla.debug_checks():  # debug checks keep the Python path
             expected = fn(*args, **kwargs)
@@ -492,7 +487,7 @@ def test_the_compiled_path_gives_the_python_paths_results_bit_for_bit(name, kern
     with anymla.use_backend(backend), tuning.forced(**forced):
         args, kwargs = on_gpu(*make())
         fn(*args, **kwargs)
-        args, kwargs = on_gpu(*_fresh(make, 1))
+        args, kwargs = on_gpu(*make(seed=1))
         fn(*args, **kwargs)  # a new cache: kernels of tensor-memory descriptors (which encode it) record it
         with anymla.debug_checks():
             expected = fn(*args, **kwargs)

@@ -79,14 +79,9 @@ def entry_point(backend) -> Optional[tuple[Callable, int]]:
 _NVIDIA = torch.version.hip is None
 
 
-def _eligible(decision) -> bool:
-    """Whether the decision's calls can have entries: on an NVIDIA GPU (or, in tests, any device while a
-    stand-in for the driver is configured), the Triton tier's or those of a backend that has its own form."""
-    return (_NVIDIA and decision.device.startswith("cuda")) or _state["test_device"]
-
-
-def steps_recordable(device) -> bool:
-    """Whether a layer's steps on ``device`` can have entries (as :func:`_eligible` for calls)."""
+def recordable_on(device) -> bool:
+    """Whether calls (and layer steps) on ``device`` can have entries: on an NVIDIA GPU, or, in tests, any
+    device while a stand-in for the driver is configured."""
     return (_NVIDIA and device.type == "cuda") or _state["test_device"]
 
 
@@ -99,7 +94,7 @@ def record(entry: Optional[tuple], decision, op: int, problem, args: tuple, run:
         # inside a watched layer step: a watch sees the Triton tier's launches (through its launcher) and torch
         # ops only, and another backend may launch kernels itself, so the step cannot become an entry
         _state["watch"].refuse(f"its {decision.op} call runs on {decision.backend}, whose launches are not seen")
-    if not _eligible(decision):
+    if not recordable_on(problem.device):
         return run()
     mod = native.module()
     if entry is None:

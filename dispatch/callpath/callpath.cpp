@@ -187,7 +187,8 @@ int metadata_fits(PyObject* sched, const Entry& e) {
   }
   PyObject* config = PyObject_GetAttr(sched, g_str_config);
   if (config == nullptr) return -1;
-  // Decisions share one object for equal configurations (anymla.selection), so identity is the usual answer.
+  // Identity is the usual answer (the object was bound to this entry's decision's configuration); a metadata
+  // object bound by another decision of an equal configuration compares equal.
   int same = config == e.config ? 1 : PyObject_RichCompareBool(config, e.config, Py_EQ);
   Py_DECREF(config);
   return same;

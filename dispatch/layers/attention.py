@@ -166,7 +166,7 @@ class MLAAttention(torch.nn.Module):
         plan = self._plan_for(hidden_states, positions, kv_cache, block_table, cache_seqlens, indices, residual)
         step = lambda: self._step(plan, hidden_states, positions, kv_cache, block_table, cache_seqlens,  # noqa: E731
                                   indices, residual)
-        if plan.kernels != "triton" or not callpath.steps_recordable(kv_cache.device):
+        if plan.kernels != "triton" or not callpath.recordable_on(kv_cache.device):
             return step()
         constants = [b for b in self.buffers()] + ([] if plan.every_position is None else [plan.every_position])
         return callpath.record_step(entry, self, constants, callpath.MLA_STEP, (
