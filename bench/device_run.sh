@@ -5,7 +5,8 @@
 #   flashmla  make FlashMLA v1.0.0 importable from .peers/FlashMLA (a prepared tree, ../shared/peers/flashmla.md):
 #             reuse a build cat'ed back into .peers/FlashMLA/flash_mla/, or build it in the background (~100 s)
 #   hf        install transformers (the layer tests' real client) from wheels carried in .wheels/ (no index there)
-#   tests     pytest on the GPU ($TESTS: test paths and options, default the whole suite with CPU-sized grids;
+#   tests     pytest on the GPU ($TESTS: test paths and options, default the whole suite with CPU-sized grids, on
+#             $TESTS_WORKERS processes, default 8;
 #             ANYMLA_HOPPER_KERNELS=0 runs it on the portable kernels, with DISABLE_MMA_V3=1 on the mma.sync path;
 #             $TESTS_K: a -k expression)
 #   overhead  python -m anymla.bench.overhead, in a fresh Triton cache (its cold-start part counts compiles)
@@ -42,7 +43,7 @@ for part in "${parts[@]}"; do
     tests)
       # shellcheck disable=SC2086
       # SIGINT at the time limit: pytest then still lists the failures so far (-rf)
-      ANYMLA_TEST_GRID=${ANYMLA_TEST_GRID:-small} timeout -s INT "${TESTS_TIMEOUT:-1000}" python3 -m pytest -q -rfs --tb=line -n 8 -p no:cacheprovider --import-mode=importlib \
+      ANYMLA_TEST_GRID=${ANYMLA_TEST_GRID:-small} timeout -s INT "${TESTS_TIMEOUT:-1000}" python3 -m pytest -q -rfs --tb=line -n "${TESTS_WORKERS:-8}" -p no:cacheprovider --import-mode=importlib \
         ${TESTS:-tests} ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/tests.log" | grep -E "^FAILED|^ERROR|passed|failed" | tail -60 ;;
     overhead)
       flashmla_wait

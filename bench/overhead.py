@@ -430,41 +430,48 @@ _L2_FLUSH_BYTES = 256 << 20
 
 
 def _first_calls(big: dict, sizes, device) -> tuple[list, int]:
-    """Per size: (first call µs, repeated call µs) wall time with a synchronization, L2 flushed before each,
-    and kernels compiled."""
+    """Per size: (first call µs, repeated call µs, fresh-rows call µs) wall time with a synchronization, L2
+    flushed before each, and kernels compiled. A repeated call reads the rows the first one read; a
+    fresh-rows call has the same signature but other requests' indices (half the server's batch away), so
+    it reads rows as new to the device as the first call's were, as every decoding step's are: the first
+    call's cost beyond a fresh-rows call is what a new size adds, beyond it what touching new rows adds."""
     from anymla.triton_kernels.launcher import compiled_kernels
     kernels0, times = compiled_kernels(), []
     flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
     # The GPU kept busy for a while first (after a warmup's seconds of host work its clocks are down, and the
     # first sizes would be timed while they come up again), and the server's tensors read once (a serving
-    # process touches its cache every step; a warmup's replays, with nothing attendable, read none of it).
+    # process touches its cache every step; a warmup's replays read one row of it).
     for t in big.values():
         if isinstance(t, torch.Tensor):
             t.view(torch.uint8).sum() if t.is_contiguous() else t.sum()
     for _ in range(200):
         flush.zero_()
+    elsewhere = big["indices"].roll(big["indices"].shape[0] // 2, dims=0)
+
+    def timed(a):
+        flush.zero_()
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        anymla.flash_mla_with_kvcache(**a)
+        torch.cuda.synchronize(device)
+        return (time.perf_counter() - t0) * 1e6
+
     for b in sizes:
         a = {k: (v[:b] if k in _PER_REQUEST else v) for k, v in big.items()}
-        run = []
-        for _ in range(1 + _REPEATS):
-            flush.zero_()
-            torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            anymla.flash_mla_with_kvcache(**a)
-            torch.cuda.synchronize(device)
-            run.append((time.perf_counter() - t0) * 1e6)
-        times.append((run[0], sorted(run[1:])[_REPEATS // 2]))
+        run = [timed(a) for _ in range(1 + _REPEATS)]
+        fresh = timed({**a, "indices": elsewhere[:b]})
+        times.append((run[0], sorted(run[1:])[_REPEATS // 2], fresh))
     return times, compiled_kernels() - kernels0
 
 
-def _warmed_ratios(h_q: int, s_k: int, sizes, device) -> tuple[list, int, str]:
-    """First over repeated call per size for a server warmed up first (``anymla.warmup``), kernels compiled
-    by those calls, and the warmup's report."""
+def _warmed(h_q: int, s_k: int, sizes, device) -> tuple[list, int, str]:
+    """``_first_calls``'s times for a server warmed up first (``anymla.warmup``), kernels compiled by those
+    calls, and the warmup's report."""
     big = _server(h_q, sizes, device, s_k)
     example = {k: (v[:1] if k in _PER_REQUEST else v) for k, v in big.items()}
     report = anymla.warmup(anymla.flash_mla_with_kvcache, sizes=sizes, **example)
     times, kernels = _first_calls(big, sizes, device)
-    return [f / r for f, r in times], kernels, str(report)
+    return times, kernels, str(report)
 
 
 def cold(device) -> list[dict]:
@@ -474,17 +481,26 @@ def cold(device) -> list[dict]:
     worst = max(range(len(times)), key=lambda i: times[i][0])
     rows.append(dict(part="cold", case="sparse V3.2 h64, b 1..256, no warmup", who="anymla", kernels=kernels,
                      worst_first_us=times[worst][0], worst_b=sizes[worst],
-                     median_first_over_repeat=sorted(f / r for f, r in times)[len(times) // 2]))
+                     median_first_over_repeat=sorted(f / r for f, r, _ in times)[len(times) // 2]))
     # Two servers warmed up alike (their caches differ in length, so their calls are different signatures): a
     # first call costs once per signature, so a cost that comes with a new size shows in both at that size,
     # while a host hiccup hits one of them.
-    (ra, ka, report), (rb, kb, _) = (_warmed_ratios(32, s_k, sizes, device) for s_k in (4096, 4160))
-    both = [min(a, b) for a, b in zip(ra, rb)]
+    # The second one is timed from the largest size down: a cost of being the first call timed after a warmup
+    # (not of a new size) then shows at b = 1 in one and at b = 256 in the other.
+    (ta, ka, report), (tb, kb, _) = _warmed(32, 4096, sizes, device), _warmed(32, 4160, sizes[::-1], device)
+    tb = tb[::-1]
+    ra, rb = ([f / r for f, r, _ in t] for t in (ta, tb))
+    fa, fb = ([f / n for f, _, n in t] for t in (ta, tb))
+    both, both_fresh = [min(a, b) for a, b in zip(ra, rb)], [min(a, b) for a, b in zip(fa, fb)]
     rows.append(dict(part="cold", case="sparse V3.2 h32, b 1..256, after warmup", who="anymla", kernels=ka + kb,
                      warmup=report, worst_first_over_repeat=max(ra), worst_first_over_repeat_2nd_server=max(rb),
                      worst_of_the_better_of_both=max(both),
                      worst_b=sizes[max(range(len(both)), key=both.__getitem__)],
-                     median_first_over_repeat=sorted(ra)[len(ra) // 2]))
+                     median_first_over_repeat=sorted(ra)[len(ra) // 2],
+                     worst_first_over_fresh_rows=max(fa), worst_first_over_fresh_rows_2nd_server=max(fb),
+                     worst_over_fresh_of_the_better_of_both=max(both_fresh),
+                     worst_over_fresh_b=sizes[max(range(len(both_fresh)), key=both_fresh.__getitem__)],
+                     first_repeat_fresh_us_at_b1=" / ".join(f"{x:.0f}" for x in ta[0])))
     for r in rows:
         print("cold  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
                                    if k != "part"), flush=True)

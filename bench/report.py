@@ -17,7 +17,7 @@ from .runner import OK, CaseOutcome
 TRITON_TIER = "triton"
 COLUMNS = ("timestamp", "device", "device_name", "torch", "triton", "anymla", "stand_in", "suite", "case", "op",
            "shape", "backend", "status", "note", "timer", "median_us", "p20_us", "p80_us", "reps", "eager_us",
-           "host_us", "flops", "bytes",
+           "host_us", "host_first_us", "flops", "bytes",
            "tflops", "gbps", "floor_us", "bound", "frac_of_floor", "copy_gbps", "matmul_tflops", "ratio_to_matmul",
            "ratio_to_copy", "dispatcher_choice", "fastest", "anchor_flashmla_us", "anchor_triton",
            "anchor_triton_us")
@@ -53,7 +53,8 @@ def csv_rows(outcomes: list[CaseOutcome], info: RunInfo, ceilings: Ceilings) -> 
             if r.timing is not None:
                 t = r.timing
                 row.update(timer=t.timer, median_us=t.median_us, p20_us=t.p20_us, p80_us=t.p80_us, reps=t.reps,
-                           eager_us=_maybe(t.eager_us), host_us=_maybe(t.host_us))
+                           eager_us=_maybe(t.eager_us), host_us=_maybe(t.host_us),
+                           host_first_us=_maybe(t.host_first_us))
                 row.update(dataclasses.asdict(model.rates(o.cost, t.median_us, ceilings)))
             if anchor is not None:
                 row.update(anchor_flashmla_us=anchor.flashmla_us, anchor_triton=anchor.triton_name,
@@ -163,7 +164,8 @@ def header_lines(info: RunInfo, ceilings: Ceilings) -> list[str]:
              f"anymla {info.anymla}; {info.timestamp}",
              f"ceilings measured in this run (the better of its start and end): {ceilings.describe()}",
              "GPU µs: CUDA-graph replay (calls under 1 ms) or device events, L2 flushed; eager µs: wall time per call "
-             "of back-to-back eager calls; host µs: enqueueing one call",
+             "of back-to-back eager calls; host µs: enqueueing one call while the device runs the ones before it (the CSV's "
+             "host_first_us: the first call after a synchronization)",
              "% floor = floor time / GPU time, floor = max(bytes / copy rate, FLOPs / matmul rate); x ceiling: "
              "against the ceiling that binds"]
     if info.interpreter:

@@ -24,6 +24,8 @@ _DEFAULT_FLUSH_BYTES = 256 << 20
 # enter the timing. The eager time includes the host's launch work (anymla's dispatch, several kernels), so
 # decode-sized calls of a few hundred microseconds of device time fall under it.
 GRAPH_BELOW_US = 1000.0
+# Calls enqueued back to back after each drain when timing the host: the first is the after-a-sync call.
+_ENQUEUE_ROUND = 6
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class Timing:
     note: str = ""
     eager_us: float = float("nan")  # wall time per call of back-to-back eager calls (accelerators only)
     host_us: float = float("nan")  # host time to enqueue one call, no synchronization (accelerators only)
+    host_first_us: float = float("nan")  # the same for the first call after a synchronization
 
     @property
     def spread(self) -> float:
@@ -169,26 +172,32 @@ class Timer:
         timing = summarize([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)], timer, note)
         if self.device.type == "cpu":
             return timing
-        eager_us, host_us = self._eager(fn, estimate)
+        eager_us, host_us, host_first_us = self._eager(fn, estimate)
         return Timing(timing.median_us, timing.p20_us, timing.p80_us, timing.reps, timing.timer, timing.note,
-                      eager_us, host_us)
+                      eager_us, host_us, host_first_us)
 
-    def _eager(self, fn: Callable[[], object], estimate_us: float) -> tuple[float, float]:
-        """(wall µs per call of back-to-back eager calls, median host µs to enqueue one call).
+    def _eager(self, fn: Callable[[], object], estimate_us: float) -> tuple[float, float, float]:
+        """(wall µs per call of back-to-back eager calls, median host µs to enqueue one call, median host µs
+        of the first call after a synchronization).
 
         Back to back, no flush and no synchronization between calls, as a decode loop calls them: per call,
-        the larger of the host's enqueue time and the GPU time. The enqueue time is taken with the device
-        drained before each sample, so the launch queue never pushes back."""
-        host = []
-        for _ in range(max(5, min(50, self.reps))):
+        the larger of the host's enqueue time and the GPU time. The enqueue time is each call's own host time
+        while the device still runs the calls before it, as in a loop that never synchronizes: rounds of a
+        few calls after a drain (so the launch queue, thousands of launches deep, never pushes back). The first
+        call of a round is kept apart: after a synchronization the host is slower to start a call (a long
+        wait more so), which a serving step pays once, not once per layer."""
+        host, first = [], []
+        for _ in range(max(3, min(10, self.reps // 4))):
             synchronize(self.device)
-            t0 = time.perf_counter()
-            fn()
-            host.append((time.perf_counter() - t0) * 1e6)
+            for i in range(_ENQUEUE_ROUND):
+                t0 = time.perf_counter()
+                fn()
+                (host if i else first).append((time.perf_counter() - t0) * 1e6)
         n = max(10, min(self.reps, int(self.budget_ms * 1e3 / max(estimate_us, 1.0))))
         synchronize(self.device)
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
         synchronize(self.device)
-        return (time.perf_counter() - t0) * 1e6 / n, float(torch.tensor(host).median())
+        return ((time.perf_counter() - t0) * 1e6 / n, float(torch.tensor(host).median()),
+                float(torch.tensor(first).median()))
