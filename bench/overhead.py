@@ -446,6 +446,12 @@ def _first_calls(big: dict, sizes, device) -> tuple[list, int]:
             t.view(torch.uint8).sum() if t.is_contiguous() else t.sum()
     for _ in range(200):
         flush.zero_()
+    # ... then a few short waits: after a long one (those flushes take ~20 ms) the host is slow to start its next
+    # call, whatever it calls (the bench's host_first_us), which is not what a new size costs
+    torch.cuda.synchronize(device)
+    for _ in range(20):
+        flush[:4096].zero_()
+        torch.cuda.synchronize(device)
     elsewhere = big["indices"].roll(big["indices"].shape[0] // 2, dims=0)
 
     def timed(a):

@@ -293,22 +293,38 @@ def test_scheduling_metadata_is_bound_as_the_python_path_binds_it(stand_ins):
 def test_a_peers_own_form_runs_its_repeated_calls(compiled_path, monkeypatch, h_q):
     """A backend with its own form of a signature's calls (the FlashMLA peer: FlashMLA called with the call's
     arguments) gets an entry that runs it: a repeated call reaches FlashMLA (here a stand-in recording what it
-    is given) with what the dispatcher's path gives it, heads padded to 64, and returns the same outputs."""
+    is given) with what the dispatcher's path gives it, heads padded to 64, and returns outputs of the same
+    layout. Once FlashMLA's metadata holds the configuration (its interface fills it on the first call), the
+    entry calls FlashMLA's op itself, as the interface would."""
     from anymla.backends import flashmla_peer
     seen = []
 
-    def with_kvcache(q, k_cache, block_table, cache_seqlens, d_v, meta, num_splits, **kw):
-        seen.append((q, kw["indices"], kw["softmax_scale"]))
+    def outputs(q, d_v):
         b, s_q, h, _ = q.shape
         g = torch.Generator().manual_seed(len(seen) // 2)  # a call and its repeat get the same outputs
         return torch.randn(b, s_q, h, d_v, generator=g), torch.randn(b, s_q, h, generator=g).transpose(1, 2)
+
+    def with_kvcache(q, k_cache, block_table, cache_seqlens, d_v, meta, num_splits, **kw):
+        seen.append(("interface", q, kw["indices"], kw["softmax_scale"]))
+        meta.have_initialized, meta.tile_scheduler_metadata, meta.num_splits = True, torch.zeros(4), torch.ones(1)
+        return outputs(q, d_v)
+
+    def sparse_decode_fwd(q, k_cache, indices, topk_length, attn_sink, scheduling, splits, extra_k_cache,
+                          extra_indices, extra_topk_length, d_v, sm_scale):
+        assert scheduling.shape == (4,) and splits.shape == (1,), "the metadata's tensors, as the interface passes them"
+        seen.append(("op", q, indices, sm_scale))
+        return (*outputs(q, d_v), scheduling, splits)
 
     def sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
         s_q, h, _ = q.shape
         return torch.zeros(s_q, h, d_v), torch.zeros(s_q, h), torch.ones(s_q, h)
 
-    fake = types.SimpleNamespace(flash_mla_with_kvcache=with_kvcache, get_mla_metadata=lambda: (object(), None),
-                                 flash_mla_sparse_fwd=sparse_fwd)
+    def metadata():
+        return types.SimpleNamespace(have_initialized=False, tile_scheduler_metadata=None, num_splits=None), None
+
+    fake = types.SimpleNamespace(flash_mla_with_kvcache=with_kvcache, get_mla_metadata=metadata,
+                                 flash_mla_sparse_fwd=sparse_fwd, flash_mla_interface=types.SimpleNamespace(
+                                     flash_mla_cuda=types.SimpleNamespace(sparse_decode_fwd=sparse_decode_fwd)))
     monkeypatch.setattr(flashmla_peer, "_flash_mla", lambda: (fake, ""))
     monkeypatch.setattr(flashmla_peer.FlashMLAPeer, "device_types", ("cpu",))
     monkeypatch.setattr(flashmla_peer.FlashMLAPeer, "unavailable_reasons", lambda self, device: [])
@@ -317,13 +333,16 @@ def test_a_peers_own_form_runs_its_repeated_calls(compiled_path, monkeypatch, h_
     hits = native.module().hits()
     calls = [anymla.flash_mla_with_kvcache(*args, **kwargs, backend="flashmla") for _ in range(3)]
     assert native.module().hits() == hits + 2, callpath.refusals()
-    (q0, i0, s0), (q1, i1, s1), (q2, i2, s2) = seen
-    assert q1.shape[2] == 64 and torch.equal(q1, q2) and i1 is i2 is kwargs["indices"] and s1 == s2 == 0.07
-    for python, compiled in zip(calls[1], calls[2]):
-        assert torch.equal(python, compiled) and python.stride() == compiled.stride()
+    assert [s[0] for s in seen] == ["interface", "op", "op"]
+    (_, q0, i0, s0), (_, q1, i1, s1), (_, q2, i2, s2) = seen
+    assert q1.shape[2] == 64 and torch.equal(q0, q1) and torch.equal(q1, q2)
+    assert i0 is i1 is i2 is kwargs["indices"] and s0 == s1 == s2 == 0.07
+    for first, python, compiled in zip(*calls):
+        assert first.shape == compiled.shape and first.stride() == compiled.stride() and torch.equal(python, compiled)
+    assert calls[2][0].shape[2] == h_q and calls[2][1].shape[1] == h_q
     prefill, _ = _prefill_args(topk=128)
-    outputs = [anymla.flash_mla_sparse_fwd(*prefill, backend="flashmla") for _ in range(2)]
-    assert native.module().hits() == hits + 3 and [o.shape[1] for o in outputs[1]] == [16, 16, 16]
+    outputs_ = [anymla.flash_mla_sparse_fwd(*prefill, backend="flashmla") for _ in range(2)]
+    assert native.module().hits() == hits + 3 and [o.shape[1] for o in outputs_[1]] == [16, 16, 16]
 
 
 def _layer_and_inputs(fmt, seed=0, device="cpu", topk=16):

@@ -79,6 +79,15 @@ def _is_v41(module) -> bool:
     return hasattr(module, "fused_norm_rope_attn_rope_cast")
 
 
+def _sparse_decode_op(module):
+    """v1.0.0's sparse decoding op (``flash_mla.cuda.sparse_decode_fwd``, which its ``flash_mla_with_kvcache``
+    calls after checking the arguments against the metadata's configuration), or None for another release."""
+    if _is_v41(module):
+        return None
+    return getattr(getattr(getattr(module, "flash_mla_interface", None), "flash_mla_cuda", None), "sparse_decode_fwd",
+                   None)
+
+
 def _arch(device: torch.device) -> int:
     major, _ = torch.cuda.get_device_capability(device)
     return major
@@ -247,12 +256,22 @@ class FlashMLAPeer(Backend):
                 module, self._metadata(sched, module), q, k_cache, block_table, cache_seqlens, d_v, sm_scale, causal)
 
         extra = {"enable_batch_invariant": True} if problem.batch_invariant else {}
+        raw = None if extra else _sparse_decode_op(module)
 
         def sparse(sched, q, k_cache, _table, _lens, d_v, _splits, _scale, _causal, _fp8, indices, attn_sink,
                    extra_k_cache, extra_indices, topk_length, extra_topk_length, _invariant):
-            out, lse = _sparse(module, plan, self._metadata(sched, module), q, k_cache, d_v, sm_scale, indices,
-                               attn_sink, extra_k_cache, extra_indices, topk_length, extra_topk_length, extra)
-            return out, lse.mT  # the public lse: a [b, h_q, s_q] view, as the dispatcher's path hands it back
+            meta = self._metadata(sched, module)
+            if raw is None or not meta.have_initialized:  # FlashMLA's interface fills its metadata's configuration
+                out, lse = _sparse(module, plan, meta, q, k_cache, d_v, sm_scale, indices, attn_sink, extra_k_cache,
+                                   extra_indices, topk_length, extra_topk_length, extra)
+                return out, lse.mT  # the public lse: a [b, h_q, s_q] view, as the dispatcher's path hands it back
+            # FlashMLA's op itself: what its interface calls once the metadata holds this configuration (the entry's
+            # key and the metadata's binding already hold everything its checks compare), its lse [b, h_q, s_q]
+            out, lse, meta.tile_scheduler_metadata, meta.num_splits = raw(
+                plan.pad(q, 2), k_cache, indices, topk_length, plan.pad(attn_sink, 0), meta.tile_scheduler_metadata,
+                meta.num_splits, extra_k_cache, extra_indices, extra_topk_length, d_v, sm_scale)
+            h = plan.h_q
+            return (out, lse) if plan.padded == h else (out[:, :, :h], lse[:, :h])
         return sparse
 
     def sparse_prefill(self, p, pad):
