@@ -24,8 +24,9 @@ _DEFAULT_FLUSH_BYTES = 256 << 20
 # enter the timing. The eager time includes the host's launch work (anymla's dispatch, several kernels), so
 # decode-sized calls of a few hundred microseconds of device time fall under it.
 GRAPH_BELOW_US = 1000.0
-# Calls enqueued back to back after each drain when timing the host: the first is the after-a-sync call.
-_ENQUEUE_ROUND = 6
+# Timing the host's enqueue: rounds of calls queued behind a spinning kernel of this many GPU cycles (~10 ms on an
+# H200, longer than a round's host work for calls of up to ~0.6 ms of it), the first of a round after a drain.
+_ENQUEUE_ROUNDS, _ENQUEUE_ROUND, _SPIN_CYCLES = 5, 16, 20_000_000
 
 
 @dataclass(frozen=True)
@@ -182,13 +183,16 @@ class Timer:
 
         Back to back, no flush and no synchronization between calls, as a decode loop calls them: per call,
         the larger of the host's enqueue time and the GPU time. The enqueue time is each call's own host time
-        while the device still runs the calls before it, as in a loop that never synchronizes: rounds of a
-        few calls after a drain (so the launch queue, thousands of launches deep, never pushes back). The first
-        call of a round is kept apart: after a synchronization the host is slower to start a call (a long
-        wait more so), which a serving step pays once, not once per layer."""
+        in rounds of calls queued behind a kernel that keeps the GPU busy for the whole round (CUDA), so
+        that neither the device's progress nor a full launch queue enters it: what the host spends on a call
+        in a model's forward pass. The first call of a round is kept apart: after a synchronization the host
+        is slower to start a call (a long wait more so), which a serving step pays once, not once a layer."""
+        spin = getattr(torch.cuda, "_sleep", None) if self.device.type == "cuda" else None
         host, first = [], []
-        for _ in range(max(3, min(10, self.reps // 4))):
+        for _ in range(_ENQUEUE_ROUNDS):
             synchronize(self.device)
+            if spin is not None:
+                spin(_SPIN_CYCLES)
             for i in range(_ENQUEUE_ROUND):
                 t0 = time.perf_counter()
                 fn()
