@@ -429,15 +429,17 @@ _REPEATS = 5  # a repeated call's time: the median of this many, after the first
 _L2_FLUSH_BYTES = 256 << 20
 
 
-def _first_calls(big: dict, sizes, device) -> tuple[list, int]:
+def _first_calls(big: dict, elsewhere: torch.Tensor, flush: torch.Tensor, sizes, device) -> tuple[list, int, int]:
     """Per size: (first call µs, repeated call µs, fresh-rows call µs) wall time with a synchronization, L2
-    flushed before each, and kernels compiled. A repeated call reads the rows the first one read; a
+    flushed before each; kernels compiled and memory segments the caching allocator asked the driver for
+    (each a cudaMalloc) during those calls. A repeated call reads the rows the first one read; a
     fresh-rows call has the same signature but other requests' indices (half the server's batch away), so
     it reads rows as new to the device as the first call's were, as every decoding step's are: the first
-    call's cost beyond a fresh-rows call is what a new size adds, beyond it what touching new rows adds."""
+    call's cost beyond a fresh-rows call is what a new size adds, beyond it what touching new rows adds.
+    ``elsewhere`` holds those indices and ``flush`` the L2 flush's buffer: made before any warmup, as a
+    server's buffers are, so that no allocation of the harness's own lands between a warmup and its calls."""
     from anymla.triton_kernels.launcher import compiled_kernels
     kernels0, times = compiled_kernels(), []
-    flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
     # The GPU kept busy for a while first (after a warmup's seconds of host work its clocks are down, and the
     # first sizes would be timed while they come up again), and the server's tensors read once (a serving
     # process touches its cache every step; a warmup's replays read one row of it).
@@ -452,7 +454,6 @@ def _first_calls(big: dict, sizes, device) -> tuple[list, int]:
     for _ in range(20):
         flush[:4096].zero_()
         torch.cuda.synchronize(device)
-    elsewhere = big["indices"].roll(big["indices"].shape[0] // 2, dims=0)
 
     def timed(a):
         flush.zero_()
@@ -462,30 +463,40 @@ def _first_calls(big: dict, sizes, device) -> tuple[list, int]:
         torch.cuda.synchronize(device)
         return (time.perf_counter() - t0) * 1e6
 
+    segments0 = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
     for b in sizes:
         a = {k: (v[:b] if k in _PER_REQUEST else v) for k, v in big.items()}
         run = [timed(a) for _ in range(1 + _REPEATS)]
         fresh = timed({**a, "indices": elsewhere[:b]})
         times.append((run[0], sorted(run[1:])[_REPEATS // 2], fresh))
-    return times, compiled_kernels() - kernels0
+    segments = torch.cuda.memory_stats(device).get("segment.all.allocated", 0) - segments0
+    return times, compiled_kernels() - kernels0, segments
 
 
-def _warmed(h_q: int, s_k: int, sizes, device) -> tuple[list, int, str]:
-    """``_first_calls``'s times for a server warmed up first (``anymla.warmup``), kernels compiled by those
-    calls, and the warmup's report."""
+def _elsewhere(big: dict) -> torch.Tensor:
+    """Other requests' indices for each request (half the batch away): the fresh-rows calls'."""
+    return big["indices"].roll(big["indices"].shape[0] // 2, dims=0)
+
+
+def _warmed(h_q: int, s_k: int, sizes, device, flush) -> tuple[list, int, int, str]:
+    """``_first_calls``'s results for a server warmed up first (``anymla.warmup``), and the warmup's report."""
     big = _server(h_q, sizes, device, s_k)
+    elsewhere = _elsewhere(big)
     example = {k: (v[:1] if k in _PER_REQUEST else v) for k, v in big.items()}
     report = anymla.warmup(anymla.flash_mla_with_kvcache, sizes=sizes, **example)
-    times, kernels = _first_calls(big, sizes, device)
-    return times, kernels, str(report)
+    return (*_first_calls(big, elsewhere, flush, sizes, device), str(report))
 
 
 def cold(device) -> list[dict]:
     sizes = range(1, 257)
     rows = []
-    times, kernels = _first_calls(_server(64, sizes, device), sizes, device)
+    flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
+    big = _server(64, sizes, device)
+    times, kernels, segments = _first_calls(big, _elsewhere(big), flush, sizes, device)
+    del big
     worst = max(range(len(times)), key=lambda i: times[i][0])
     rows.append(dict(part="cold", case="sparse V3.2 h64, b 1..256, no warmup", who="anymla", kernels=kernels,
+                     segments_allocated=segments,
                      worst_first_us=times[worst][0], worst_b=sizes[worst],
                      median_first_over_repeat=sorted(f / r for f, r, _ in times)[len(times) // 2]))
     # Two servers warmed up alike (their caches differ in length, so their calls are different signatures): a
@@ -493,12 +504,14 @@ def cold(device) -> list[dict]:
     # while a host hiccup hits one of them.
     # The second one is timed from the largest size down: a cost of being the first call timed after a warmup
     # (not of a new size) then shows at b = 1 in one and at b = 256 in the other.
-    (ta, ka, report), (tb, kb, _) = _warmed(32, 4096, sizes, device), _warmed(32, 4160, sizes[::-1], device)
+    (ta, ka, sa, report), (tb, kb, sb, _) = (_warmed(32, 4096, sizes, device, flush),
+                                             _warmed(32, 4160, sizes[::-1], device, flush))
     tb = tb[::-1]
     ra, rb = ([f / r for f, r, _ in t] for t in (ta, tb))
     fa, fb = ([f / n for f, _, n in t] for t in (ta, tb))
     both, both_fresh = [min(a, b) for a, b in zip(ra, rb)], [min(a, b) for a, b in zip(fa, fb)]
     rows.append(dict(part="cold", case="sparse V3.2 h32, b 1..256, after warmup", who="anymla", kernels=ka + kb,
+                     segments_allocated=sa + sb,
                      warmup=report, worst_first_over_repeat=max(ra), worst_first_over_repeat_2nd_server=max(rb),
                      worst_of_the_better_of_both=max(both),
                      worst_b=sizes[max(range(len(both)), key=both.__getitem__)],

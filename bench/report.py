@@ -164,7 +164,7 @@ def header_lines(info: RunInfo, ceilings: Ceilings) -> list[str]:
              f"anymla {info.anymla}; {info.timestamp}",
              f"ceilings measured in this run (the better of its start and end): {ceilings.describe()}",
              "GPU µs: CUDA-graph replay (calls under 1 ms) or device events, L2 flushed; eager µs: wall time per call "
-             "of back-to-back eager calls; host µs: enqueueing one call while the device runs the ones before it (the CSV's "
+             "of back-to-back eager calls; host µs: enqueueing one call with the GPU kept busy (the CSV's "
              "host_first_us: the first call after a synchronization)",
              "% floor = floor time / GPU time, floor = max(bytes / copy rate, FLOPs / matmul rate); x ceiling: "
              "against the ceiling that binds"]

@@ -9,6 +9,7 @@ them, every other parameter equal. On a GPU the same calls are compared by their
 """
 
 import functools
+import importlib.util
 import inspect
 import itertools
 import math
@@ -406,16 +407,18 @@ def test_a_layer_step_runs_in_cpp_what_its_python_path_runs(stand_ins, fmt):
 
 
 @cpu_only
-def test_no_step_entry_where_the_attention_runs_on_a_peer(stand_ins, monkeypatch):
+def test_a_step_calls_the_peers_own_form_where_its_attention_runs_on_a_peer(stand_ins, monkeypatch):
     """A layer step whose attention call runs on another backend (FlashMLA here: a stand-in recording its
-    calls) launches kernels a watch does not see: the step keeps the Python path, every call reaching the peer."""
+    calls), whose kernels a watch does not see, is an entry still: its attention a call of the peer's own form
+    (FlashMLA called as the dispatcher's path calls it), the rest launched from C++; each call reaches the
+    peer once and the step's output is the Python path's."""
     from anymla.backends import flashmla_peer
     seen = []
 
     def with_kvcache(q, k_cache, block_table, cache_seqlens, d_v, meta, num_splits, **kw):
-        seen.append(q.shape)
+        seen.append((q.shape, kw["indices"].shape, kw["softmax_scale"]))
         b, s_q, h, _ = q.shape
-        return torch.zeros(b, s_q, h, d_v, dtype=q.dtype), torch.zeros(b, s_q, h).transpose(1, 2)
+        return torch.full((b, s_q, h, d_v), 0.5, dtype=q.dtype), torch.zeros(b, s_q, h).transpose(1, 2)
 
     fake = types.SimpleNamespace(flash_mla_with_kvcache=with_kvcache, get_mla_metadata=lambda: (object(), None))
     monkeypatch.setattr(flashmla_peer, "_flash_mla", lambda: (fake, ""))
@@ -424,13 +427,17 @@ def test_no_step_entry_where_the_attention_runs_on_a_peer(stand_ins, monkeypatch
     monkeypatch.setattr(flashmla_peer, "_arch", lambda device: 9)
     layer, inp = _layer_and_inputs(kvcache.KVCacheFormat.V32_FP8, topk=64)  # (FlashMLA: topk in 64s)
     layer.attention_backend = "flashmla"
+    mod = native.module()
     with anymla.use_backend("triton"), torch.no_grad():
         with callpath.python_path():  # (the first call's validation and planning run torch ops of their own)
-            layer(**inp)
-        for _ in range(3):
-            layer(**inp)
-    assert len(seen) == 4 and native.module().size() == 1, "the attention call's own entry, no step's"
-    assert any("runs on flashmla" in r for r in callpath.refusals()), callpath.refusals()
+            expected = layer(**inp)
+        layer(**inp)  # watched: the step's entry
+        hits = mod.hits()
+        got = [layer(**inp) for _ in range(2)]
+    assert mod.hits() == hits + 2 and mod.size() == 1, callpath.refusals()
+    assert len(seen) == 4 and len(set(seen)) == 1, seen
+    assert all(torch.equal(expected, g) for g in got)
+    assert not callpath.refusals()
 
 
 @cpu_only
@@ -523,20 +530,26 @@ def test_the_compiled_path_gives_the_python_paths_results_bit_for_bit(name, kern
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA GPU: compiled kernels")
-@pytest.mark.parametrize("fmt", LAYER_FORMATS, ids=lambda f: f.name)
-def test_a_layer_step_through_the_compiled_path_gives_its_python_paths_output(fmt):
+@pytest.mark.parametrize("fmt,attention", [(f, None) for f in LAYER_FORMATS] + [(kvcache.KVCacheFormat.V32_FP8, "flashmla")],
+                         ids=lambda v: getattr(v, "name", v or "dispatcher"))
+def test_a_layer_step_through_the_compiled_path_gives_its_python_paths_output(fmt, attention):
     """On the GPU: a repeated layer step through its entry returns exactly the Python path's output for the
-    same inputs, and writes the cache as it does."""
+    same inputs, and writes the cache as it does; also with its attention on the FlashMLA peer (a call of its
+    own form inside the step)."""
+    if attention == "flashmla" and importlib.util.find_spec("flash_mla") is None:
+        pytest.skip("FlashMLA is not installed")
     native.build(wait=True)
-    layer, inp = _layer_and_inputs(fmt, device=DEVICE)
+    topk = 64 if attention == "flashmla" else 16  # (FlashMLA: topk in 64s)
+    layer, inp = _layer_and_inputs(fmt, device=DEVICE, topk=topk)
+    layer.attention_backend = attention
     with torch.no_grad():
         layer(**inp)
-        _, fresh = _layer_and_inputs(fmt, seed=1, device=DEVICE)
+        _, fresh = _layer_and_inputs(fmt, seed=1, device=DEVICE, topk=topk)
         cache = fresh["kv_cache"]
         with callpath.python_path():
             expected = layer(**fresh)
         written = cache.clone()
-        cache.copy_(_layer_and_inputs(fmt, seed=1, device=DEVICE)[1]["kv_cache"])
+        cache.copy_(_layer_and_inputs(fmt, seed=1, device=DEVICE, topk=topk)[1]["kv_cache"])
         hits = native.module().hits()
         got = layer(**fresh)
         assert native.module().hits() == hits + 1, callpath.refusals()

@@ -26,7 +26,7 @@ from ..debug import debug_enabled
 from ..registry import generation
 from ..selection import _SETTINGS, _override, _sync_tuning
 from . import native
-from .watch import Places, Refused, Watch, launch_spec, op_spec
+from .watch import Places, Refused, Watch, call_spec, launch_spec, op_spec
 
 DECODE, PREFILL, MLA_STEP = 0, 1, 2  # the ops entries are kept for (a key's first part)
 _state: dict = {"stamp": None, "refused": {}, "test_device": False, "hooks": None, "watching": False,
@@ -92,8 +92,15 @@ def record(entry: Optional[tuple], decision, op: int, problem, args: tuple, run:
     (``Backend.entry``) or none."""
     if _state["watching"] and decision.backend != "triton":
         # inside a watched layer step: a watch sees the Triton tier's launches (through its launcher) and torch
-        # ops only, and another backend may launch kernels itself, so the step cannot become an entry
-        _state["watch"].refuse(f"its {decision.op} call runs on {decision.backend}, whose launches are not seen")
+        # ops only; another backend's call becomes a step calling its own form of the call, or, without one,
+        # the step keeps the Python path
+        own = _own_form(decision, problem)
+        if own is not None:
+            sched = getattr(problem, "sched", None)
+            if sched is not None:  # as the Python path binds it (the step's later calls pass the same object)
+                sched.bind(decision.sched_config)
+            return _state["watch"].call(own, (sched, *args))
+        _state["watch"].refuse(f"its {decision.op} call runs on {decision.backend}, which has no form of its own")
     if not recordable_on(problem.device):
         return run()
     mod = native.module()
@@ -105,12 +112,12 @@ def record(entry: Optional[tuple], decision, op: int, problem, args: tuple, run:
     if id(decision) in _state["refused"] or mod.has(op, args):
         return run()
     if decision.backend != "triton":
+        own = _own_form(decision, problem)
         try:
-            own = decision.impl.entry(problem, decision.plan)
             if own is not None:
                 mod.register(op, args, _device_spec(problem.device), (), (), (), -1, 0, decision.sched_config,
                              decision, own)
-        except Exception as e:  # noqa: BLE001  (the backend's own form failed: its calls keep the Python path)
+        except (TypeError, ValueError) as e:  # the extension took no entry: its calls keep the Python path
             _state["refused"][id(decision)] = (decision, f"{decision.shape}: {decision.backend}'s entry: {e!r}")
         return run()
     if decision.plan is None:
@@ -118,6 +125,16 @@ def record(entry: Optional[tuple], decision, op: int, problem, args: tuple, run:
     result, watch = _watched(run)
     _make(mod, decision, op, args, result, watch, id(decision))
     return result
+
+
+def _own_form(decision, problem) -> Optional[Callable]:
+    """The backend's own form of the decision's calls (``Backend.entry``), or None (also when making it
+    failed: that signature's calls then keep the Python path, and :func:`refusals` says why)."""
+    try:
+        return decision.impl.entry(problem, decision.plan)
+    except Exception as e:  # noqa: BLE001
+        _state["refused"][id(decision)] = (decision, f"{decision.shape}: {decision.backend}'s entry: {e!r}")
+        return None
 
 
 def number(settings) -> int:
@@ -203,6 +220,11 @@ def _register(mod, decision, op: int, args: tuple, result: tuple, watch: Watch, 
             steps.append(op_spec(func, op_args, kwargs, places))
             places.values.append(out)
             device = device or out.device
+        elif event[0] == "call":
+            _, fn, call_args, out = event
+            steps.append(call_spec(fn, call_args, out, places))
+            places.values.extend(out)
+            device = device or out[0].device
         else:
             direct, grid, flat = event
             if direct is None:

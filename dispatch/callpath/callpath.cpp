@@ -79,19 +79,36 @@ struct Allocation {
   bool poisoned;  // filled with NaN in poison mode (the buffers anymla.buffers allocates)
 };
 
+// A Python object an entry holds (a reference of its own, released with the entry).
+struct PyRef {
+  PyObject* p = nullptr;
+  PyRef() = default;
+  explicit PyRef(PyObject* o) : p(o) { Py_XINCREF(p); }
+  PyRef(const PyRef& o) : p(o.p) { Py_XINCREF(p); }
+  PyRef(PyRef&& o) noexcept : p(o.p) { o.p = nullptr; }
+  PyRef& operator=(PyRef o) {
+    std::swap(p, o.p);
+    return *this;
+  }
+  ~PyRef() { Py_XDECREF(p); }
+};
+
 struct OpArg {
   bool tensor;
   Ref ref;
-  c10::IValue value;  // a constant argument
+  c10::IValue value;  // a constant argument of an op
+  PyRef object;       // a constant argument of a call
 };
 
-enum class Kind : uint8_t { Allocate = 0, Launch = 1, Op = 2 };
+enum class Kind : uint8_t { Allocate = 0, Launch = 1, Op = 2, Call = 3 };
 
 struct Step {
   Kind kind;
   Allocation allocation;
   Launch launch;
   std::optional<c10::OperatorHandle> op;  // an ATen op run through the dispatcher (its result is a Value)
+  PyRef callable;                         // a Python function a call step calls (its results are Values)
+  uint32_t results = 1;                   // Values the step makes
   std::vector<OpArg> args;
 };
 
@@ -224,6 +241,32 @@ bool launch_one(Launch& l, void* stream) {
   return true;
 }
 
+// A call step: its function called with its arguments (tensors resolved), each tensor of the tuple it returns
+// made a Value. False with a Python error set when the call raised or returned something else.
+template <typename Resolve>
+bool call_step(const Step& step, const Resolve& resolve, std::vector<at::Tensor>& values) {
+  std::vector<PyObject*> argv;
+  argv.reserve(step.args.size());
+  for (const OpArg& a : step.args) {
+    PyObject* o = a.tensor ? THPVariable_Wrap(resolve(a.ref)) : (Py_INCREF(a.object.p), a.object.p);
+    if (o == nullptr) break;
+    argv.push_back(o);
+  }
+  PyObject* r = argv.size() == step.args.size()
+                    ? PyObject_Vectorcall(step.callable.p, argv.data(), argv.size(), nullptr)
+                    : nullptr;
+  for (PyObject* o : argv) Py_DECREF(o);
+  if (r == nullptr) return false;
+  bool ok = PyTuple_Check(r) && PyTuple_GET_SIZE(r) == static_cast<Py_ssize_t>(step.results);
+  for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(r); ++i) {
+    ok = THPVariable_Check(PyTuple_GET_ITEM(r, i));
+    if (ok) values.push_back(THPVariable_Unpack(PyTuple_GET_ITEM(r, i)));
+  }
+  Py_DECREF(r);
+  if (!ok) PyErr_SetString(PyExc_TypeError, "a call step's function returned other than its tuple of tensors");
+  return ok;
+}
+
 // call(op, poison, sched, *args) -> the outputs' tuple, or None when no entry fits (the Python path then runs).
 PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t n) {
   if (n < 3) {
@@ -299,6 +342,8 @@ PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t n) {
         }
         step.op->callBoxed(&stack);
         values.push_back(stack.at(0).toTensor());
+      } else if (step.kind == Kind::Call) {
+        if (!call_step(step, resolve, values)) return nullptr;
       } else {
         Launch& l = step.launch;
         for (const Patch& p : l.patches) {
@@ -424,8 +469,9 @@ bool parse_value(PyObject* v, c10::IValue& out) {
   return !PyErr_Occurred();
 }
 
-// One step from ("alloc", sizes, strides, dtype, poisoned), ("launch", launch) or ("op", name, overload, [("t", ref) or
-// ("v", value)], the arguments in the schema's order).
+// One step from ("alloc", sizes, strides, dtype, poisoned), ("launch", launch), ("op", name, overload, [("t", ref)
+// or ("v", value)], the arguments in the schema's order) or ("call", function, [("t", ref) or ("o", object)],
+// the number of tensors it returns).
 bool parse_step(PyObject* spec, Step& step) {
   if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) < 2 || !PyUnicode_Check(PyTuple_GET_ITEM(spec, 0))) {
     PyErr_SetString(PyExc_TypeError, "a step must be a tuple starting with its kind");
@@ -449,17 +495,26 @@ bool parse_step(PyObject* spec, Step& step) {
     return parse_launch(PyTuple_GET_ITEM(spec, 1), step.launch);
   }
   const char *name, *overload;
-  PyObject *kind_name, *op_args;
-  if (kind != "op" || !PyArg_ParseTuple(spec, "OssO", &kind_name, &name, &overload, &op_args)) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a step's kind must be alloc, launch or op");
+  PyObject *kind_name, *op_args, *function;
+  if (kind == "call") {
+    step.kind = Kind::Call;
+    if (!PyArg_ParseTuple(spec, "OOOI", &kind_name, &function, &op_args, &step.results)) return false;
+    if (!PyCallable_Check(function)) {
+      PyErr_SetString(PyExc_TypeError, "a call step's function must be callable");
+      return false;
+    }
+    step.callable = PyRef(function);
+  } else if (kind != "op" || !PyArg_ParseTuple(spec, "OssO", &kind_name, &name, &overload, &op_args)) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a step's kind must be alloc, launch, op or call");
     return false;
-  }
-  step.kind = Kind::Op;
-  try {
-    step.op = c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
-  } catch (const std::exception& ex) {
-    PyErr_SetString(PyExc_ValueError, ex.what());
-    return false;
+  } else {
+    step.kind = Kind::Op;
+    try {
+      step.op = c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
+    } catch (const std::exception& ex) {
+      PyErr_SetString(PyExc_ValueError, ex.what());
+      return false;
+    }
   }
   PyObject* fast = PySequence_Fast(op_args, "an op's arguments: expected a sequence");
   if (fast == nullptr) return false;
@@ -467,8 +522,14 @@ bool parse_step(PyObject* spec, Step& step) {
     const char* tag;
     PyObject* what;
     OpArg a;
-    bool ok = PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "sO", &tag, &what) &&
-              ((a.tensor = tag[0] == 't') ? parse_ref(what, a.ref) : parse_value(what, a.value));
+    bool ok = PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "sO", &tag, &what);
+    if (ok && (a.tensor = tag[0] == 't')) {
+      ok = parse_ref(what, a.ref);
+    } else if (ok && step.kind == Kind::Call) {
+      a.object = PyRef(what);
+    } else if (ok) {
+      ok = parse_value(what, a.value);
+    }
     if (!ok) {
       Py_DECREF(fast);
       return false;
@@ -493,7 +554,7 @@ bool references_resolve(const std::vector<Step>& steps, const std::vector<Ref>& 
     for (const OpArg& a : step.args) {
       if (a.tensor && !fits(a.ref.source, a.ref.index)) return false;
     }
-    values += step.kind != Kind::Launch;
+    values += step.kind == Kind::Launch ? 0 : step.results;
   }
   for (const Ref& r : outputs) {
     if (!fits(r.source, r.index)) return false;

@@ -3,8 +3,8 @@ with which parameters, and what it returns.
 
 Every kernel parameter must be a constant of the call signature or the address of one of the call's tensors
 (an input argument or a buffer the call allocated) plus a fixed offset; anything else refuses the entry, and
-the signature keeps the Python path: a torch op that is neither an allocation nor a view (a copy, a fill:
-GPU work the entry would not repeat), a launch that did not go through a compiled kernel's launcher, an
+the signature keeps the Python path: a torch op that is neither an allocation, a view nor one of the ops an
+entry runs (a copy, a fill: GPU work the entry would not repeat), a launch that did not go through a compiled kernel's launcher, an
 address that lies in no tensor of the call, or in two, a kernel needing launch features the entry does not
 set (clusters, programmatic dependent launch, scratch memory), or a parameter list that disagrees with the
 compiled kernel's own (its PTX entry's parameters, read back).
@@ -18,7 +18,7 @@ import struct
 from typing import Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 _aten = torch.ops.aten
 _ALLOCATIONS = (_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default)
@@ -49,6 +49,14 @@ class Watch(TorchDispatchMode):
 
     def refuse(self, why: str) -> None:
         self.refused = self.refused or why
+
+    def call(self, fn, args: tuple):
+        """``fn(*args)`` (another backend's own form of a nested call: FlashMLA called as it would be), its ops
+        unwatched (they are the backend's), kept as one step whose result tuple becomes values."""
+        with _disable_current_modes():
+            out = fn(*args)
+        self.events.append(("call", fn, args, out))
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -201,6 +209,14 @@ def launch_spec(direct, grid: tuple, args: list, places: Places) -> tuple:
         raise Refused("the parameters disagree with the compiled kernel's PTX entry")
     launch = (int(kernel.function), tuple(int(g) for g in grid), 32 * md.num_warps, md.shared, params, patches)
     return launch, desc_input
+
+
+def call_spec(fn, args: tuple, out, places: Places) -> tuple:
+    """A call step for ``callpath.cpp``: ("call", fn, its arguments, each ("t", tensor reference) or ("o", the
+    object itself), how many tensors it returns)."""
+    if not isinstance(out, tuple) or not all(isinstance(t, torch.Tensor) for t in out):
+        raise Refused("a nested call returned other than a tuple of tensors")
+    return ("call", fn, [("t", places.ref(a)) if isinstance(a, torch.Tensor) else ("o", a) for a in args], len(out))
 
 
 def op_spec(func, args: tuple, kwargs: dict, places: Places) -> tuple:
