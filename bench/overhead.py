@@ -513,6 +513,7 @@ def cold(device) -> list[dict]:
     rows.append(dict(part="cold", case="sparse V3.2 h32, b 1..256, after warmup", who="anymla", kernels=ka + kb,
                      segments_allocated=sa + sb,
                      warmup=report, worst_first_over_repeat=max(ra), worst_first_over_repeat_2nd_server=max(rb),
+                     worst_b_each_server=tuple(sizes[max(range(len(r)), key=r.__getitem__)] for r in (ra, rb)),
                      worst_of_the_better_of_both=max(both),
                      worst_b=sizes[max(range(len(both)), key=both.__getitem__)],
                      median_first_over_repeat=sorted(ra)[len(ra) // 2],
