@@ -365,25 +365,44 @@ def _layer_and_inputs(fmt, seed=0, device="cpu", topk=16):
     return layer.to(device), {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inp.items()}
 
 
-LAYER_FORMATS = [kvcache.KVCacheFormat.BF16, kvcache.KVCacheFormat.V32_FP8]
+def _v4_layer_and_inputs(fmt, seed=0, device="cpu"):
+    from anymla.layers import V4Attention, V4Config
+    g = torch.Generator().manual_seed(seed)
+    layer = V4Attention(V4Config(hidden_size=32, num_heads=4, q_lora_rank=16, o_groups=2, o_lora_rank=8,
+                                 sliding_window=4))
+    for b in layer.buffers():
+        b.copy_(torch.randn(b.shape, generator=g) * 0.3)
+    rows = torch.randn(8, 16, 1, 512, generator=g).bfloat16()
+    inp = dict(hidden_states=torch.randn(2, 1, 32, generator=g).bfloat16(), positions=torch.tensor([[40], [50]]),
+               kv_cache=kvcache.quantize(rows, fmt), block_table=torch.arange(8, dtype=torch.int32).view(2, 4),
+               residual=torch.randn(2, 1, 32, generator=g).bfloat16())
+    return layer.to(device), {k: v.to(device) for k, v in inp.items()}
+
+
+# The layers whose decode steps become entries: V3 / V3.2 (MLAAttention) and V4 (V4Attention).
+LAYERS = {"MLA BF16": functools.partial(_layer_and_inputs, kvcache.KVCacheFormat.BF16),
+          "MLA V32_FP8": functools.partial(_layer_and_inputs, kvcache.KVCacheFormat.V32_FP8),
+          "V4 MODEL1_FP8": functools.partial(_v4_layer_and_inputs, kvcache.KVCacheFormat.MODEL1_FP8),
+          "V4 V41_FP4": functools.partial(_v4_layer_and_inputs, kvcache.KVCacheFormat.V41_FP4)}
 
 
 
 
 @cpu_only
-@pytest.mark.parametrize("fmt", LAYER_FORMATS, ids=lambda f: f.name)
-def test_a_layer_step_runs_in_cpp_what_its_python_path_runs(stand_ins, fmt):
-    """An MLA layer's decode step as one entry: its GEMMs through ATen's dispatcher, its kernels and its
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_a_layer_step_runs_in_cpp_what_its_python_path_runs(stand_ins, name):
+    """A layer's decode step as one entry: its GEMMs through ATen's dispatcher, its kernels and its
     attention call's kernels launched with the parameters the Python path gives them (the layer's weights
     and tables as the entry's constants); the entry goes when the layer does."""
     import gc
     python_launches, cpp_launches = stand_ins
-    layer, inp = _layer_and_inputs(fmt)
+    make = LAYERS[name]
+    layer, inp = make()
     mod = native.module()
     with anymla.use_backend("triton"), torch.no_grad():
         layer(**inp)
         assert mod.size() == 1, callpath.refusals()
-        _, fresh = _layer_and_inputs(fmt, seed=1)
+        _, fresh = make(seed=1)
         fresh["kv_cache"] = inp["kv_cache"]  # the layer writes the cache it was given
         python_launches.clear()
         with callpath.python_path():  # (debug checks would read the slots the stand-in kernels never write)
@@ -530,26 +549,28 @@ def test_the_compiled_path_gives_the_python_paths_results_bit_for_bit(name, kern
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA GPU: compiled kernels")
-@pytest.mark.parametrize("fmt,attention", [(f, None) for f in LAYER_FORMATS] + [(kvcache.KVCacheFormat.V32_FP8, "flashmla")],
-                         ids=lambda v: getattr(v, "name", v or "dispatcher"))
-def test_a_layer_step_through_the_compiled_path_gives_its_python_paths_output(fmt, attention):
+@pytest.mark.parametrize("name", [*LAYERS, "MLA V32_FP8, attention on FlashMLA"])
+def test_a_layer_step_through_the_compiled_path_gives_its_python_paths_output(name):
     """On the GPU: a repeated layer step through its entry returns exactly the Python path's output for the
     same inputs, and writes the cache as it does; also with its attention on the FlashMLA peer (a call of its
     own form inside the step)."""
-    if attention == "flashmla" and importlib.util.find_spec("flash_mla") is None:
+    on_peer = name not in LAYERS
+    if on_peer and importlib.util.find_spec("flash_mla") is None:
         pytest.skip("FlashMLA is not installed")
     native.build(wait=True)
-    topk = 64 if attention == "flashmla" else 16  # (FlashMLA: topk in 64s)
-    layer, inp = _layer_and_inputs(fmt, device=DEVICE, topk=topk)
-    layer.attention_backend = attention
+    make = functools.partial(_layer_and_inputs, kvcache.KVCacheFormat.V32_FP8, topk=64) if on_peer else \
+        LAYERS[name]  # (FlashMLA: topk in 64s)
+    make = functools.partial(make, device=DEVICE)
+    layer, inp = make()
+    layer.attention_backend = "flashmla" if on_peer else None
     with torch.no_grad():
         layer(**inp)
-        _, fresh = _layer_and_inputs(fmt, seed=1, device=DEVICE, topk=topk)
+        _, fresh = make(seed=1)
         cache = fresh["kv_cache"]
         with callpath.python_path():
             expected = layer(**fresh)
         written = cache.clone()
-        cache.copy_(_layer_and_inputs(fmt, seed=1, device=DEVICE, topk=topk)[1]["kv_cache"])
+        cache.copy_(make(seed=1)[1]["kv_cache"])
         hits = native.module().hits()
         got = layer(**fresh)
         assert native.module().hits() == hits + 1, callpath.refusals()

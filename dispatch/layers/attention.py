@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Mapping, Optional
 import torch
 import torch.nn.functional as F
 
-from .. import api, callpath
-from ..buffers import poisoning
+from .. import api
 from ..debug import debug_enabled
 from ..kvcache import KVCacheFormat
 from ..metadata import FlashMLASchedMeta, get_mla_metadata
@@ -28,6 +27,7 @@ from .explain import StepExplanation
 from .prolog import check_prolog_cache, run_assemble_q, run_prolog
 from .rope import RopeTable, check_positions
 from .slots import check_block_table, check_slot_inputs
+from .steps import compiled_step
 
 if TYPE_CHECKING:
     from anymla.triton_kernels.cache_write.launch import StepLaunchers
@@ -156,21 +156,12 @@ class MLAAttention(torch.nn.Module):
         decode step is five torch GEMMs, two Triton kernels and the attention call, which after the first
         call of a signature run from one compiled entry (:mod:`anymla.callpath`) without Python.
         """
-        entry = callpath.entry_point(None)
-        settings = callpath.number((self.kernel_backend, self.attention_backend))
-        if entry is not None:
-            out = entry[0](callpath.MLA_STEP, poisoning(), None, entry[1], id(self), settings, hidden_states,
-                           positions, kv_cache, block_table, cache_seqlens, indices, residual)
-            if out is not None:
-                return out[0]
-        plan = self._plan_for(hidden_states, positions, kv_cache, block_table, cache_seqlens, indices, residual)
-        step = lambda: self._step(plan, hidden_states, positions, kv_cache, block_table, cache_seqlens,  # noqa: E731
-                                  indices, residual)
-        if plan.kernels != "triton" or not callpath.recordable_on(kv_cache.device):
-            return step()
-        constants = [b for b in self.buffers()] + ([] if plan.every_position is None else [plan.every_position])
-        return callpath.record_step(entry, self, constants, callpath.MLA_STEP, (
-            id(self), settings, hidden_states, positions, kv_cache, block_table, cache_seqlens, indices, residual), step)
+        return compiled_step(
+            self, (hidden_states, positions, kv_cache, block_table, cache_seqlens, indices, residual), kv_cache.device,
+            lambda: self._plan_for(hidden_states, positions, kv_cache, block_table, cache_seqlens, indices, residual),
+            lambda plan: self._step(plan, hidden_states, positions, kv_cache, block_table, cache_seqlens, indices,
+                                    residual),
+            lambda plan: [*self.buffers(), *(() if plan.every_position is None else (plan.every_position,))])
 
     def _step(self, plan: "_StepPlan", hidden_states, positions, kv_cache, block_table, cache_seqlens, indices,
               residual) -> torch.Tensor:

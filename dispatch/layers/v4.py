@@ -34,6 +34,7 @@ from .cache_write import check_slot_count
 from .explain import StepExplanation
 from .rope import RopeTable, check_positions
 from .slots import check_block_table
+from .steps import compiled_step
 from .v4_kernels import HEAD_DIM, ROPE, run_v4_heads, run_v4_prolog
 
 __all__ = ["V4Attention", "V4Config"]
@@ -150,7 +151,14 @@ class V4Attention(torch.nn.Module):
         Returns:
             ``[b, s, hidden_size]`` in the layer's dtype.
         """
-        plan = self._plan_for(hidden_states, positions, kv_cache, block_table, residual)
+        return compiled_step(
+            self, (hidden_states, positions, kv_cache, block_table, residual), kv_cache.device,
+            lambda: self._plan_for(hidden_states, positions, kv_cache, block_table, residual),
+            lambda plan: self._step(plan, hidden_states, positions, kv_cache, block_table, residual),
+            lambda plan: [*self.buffers(), plan.back])
+
+    def _step(self, plan: _V4Plan, hidden_states, positions, kv_cache, block_table, residual) -> torch.Tensor:
+        """:meth:`forward`'s Python path for a call of ``plan``'s signature."""
         impl, bound = plan.kernels, plan.launchers
         c, h = self.config, self.config.num_heads
         b, s, _ = hidden_states.shape
