@@ -181,10 +181,10 @@ def bench_layer(case: LayerCase, timer: Timer, device) -> list[dict]:
     layer = _random_layer(case, device, g)
     inp = _layer_inputs(case, layer, device, g)
     with torch.no_grad():
-        got = layer(**inp).float()
+        got = [layer(**inp).float() for _ in range(2)]  # the first call's path, then the repeated one's (an entry)
         want = mla_forward_eager(layer, **inp).float()
-    rel = ((got - want).norm() / want.norm()).item()
-    check = f"layer vs eager torch rel err {rel:.2e}" + ("" if rel < 2e-2 else " FAILED")
+    rel = max(((g - want).norm() / want.norm()).item() for g in got)
+    check = f"layer vs eager torch rel err {rel:.2e} (first and repeated call)" + ("" if rel < 2e-2 else " FAILED")
     rows = []
 
     def row(component: str, fn) -> dict:

@@ -77,12 +77,12 @@ def bench_v4_layer(case: V4Case, timer: Timer, device, time_both) -> list[dict]:
     g = torch.Generator(device=device).manual_seed(2)
     layer, inp = _v4_setup(case, device, g)
     with torch.no_grad():
-        got = layer(**inp).float()
+        got = [layer(**inp).float() for _ in range(2)]  # the first call's path, then the repeated one's
         layer.kernel_backend = "torch"
         want = layer(**inp).float()
         layer.kernel_backend = None
-    rel = ((got - want).norm() / want.norm()).item()
-    check = f"fused vs torch ops rel err {rel:.2e}" + ("" if rel < 2e-2 else " FAILED")
+    rel = max(((g - want).norm() / want.norm()).item() for g in got)
+    check = f"fused vs torch ops rel err {rel:.2e} (first and repeated call)" + ("" if rel < 2e-2 else " FAILED")
     rows = []
     for component, backend in (("v4 layer", None), ("v4 layer, torch ops", "torch")):
         def step(backend=backend):
