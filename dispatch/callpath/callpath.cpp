@@ -295,9 +295,11 @@ PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t n) {
       if (PyErr_Occurred()) return nullptr;
       Py_RETURN_NONE;  // launched from another current device: the Python path handles it
     }
-    PyObject* s = e.callable == nullptr ? PyObject_CallOneArg(g_get_stream, dev) : nullptr;  // a callable finds its own
-    Py_DECREF(dev);
-    if (e.callable == nullptr) {
+    if (e.callable != nullptr) {  // a callable finds its own stream
+      Py_DECREF(dev);
+    } else {
+      PyObject* s = PyObject_CallOneArg(g_get_stream, dev);
+      Py_DECREF(dev);
       if (s == nullptr) return nullptr;
       stream = reinterpret_cast<void*>(PyLong_AsUnsignedLongLong(s));
       Py_DECREF(s);

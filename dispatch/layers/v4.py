@@ -150,6 +150,9 @@ class V4Attention(torch.nn.Module):
             residual: ``[b, s, hidden_size]`` added to the output.
         Returns:
             ``[b, s, hidden_size]`` in the layer's dtype.
+
+        On the Triton tier, after the first call of a signature, a step runs from one compiled entry
+        (:mod:`anymla.callpath`): its GEMMs, its three kernels and its attention call without Python.
         """
         return compiled_step(
             self, (hidden_states, positions, kv_cache, block_table, residual), kv_cache.device,
