@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import csv
 import functools
+import gc
 import importlib.util
 import time
 
@@ -97,6 +98,10 @@ def _host_cases(device):
         ("dense b8 h16 s_k 4096", "dense", lambda: dense_decode_inputs(8, 1, 16, 1, 4096, device=device)),
         ("sparse V3.2 b64 h64 topk 2048", "sparse",
          lambda: sparse_decode_inputs(64, 1, 64, 8192, 2048, fmt=F.V32_FP8, device=device)),
+        # the canonical suite's one call whose dispatcher choice is FlashMLA's op with over 40 µs of host (run 87):
+        # FlashMLA alone at that shape says how much of it is FlashMLA's own
+        ("sparse V3.2 b128 s_q 2 h128 topk 2048", "sparse",
+         lambda: sparse_decode_inputs(128, 2, 128, 32768, 2048, fmt=F.V32_FP8, device=device)),
         ("sparse V3.2 b4 h64 topk 512", "sparse",
          lambda: sparse_decode_inputs(4, 1, 64, 4096, 512, fmt=F.V32_FP8, device=device)),
         ("prefill s_q 256 h128 topk 512", "prefill",
@@ -430,8 +435,8 @@ _L2_FLUSH_BYTES = 256 << 20
 
 
 def _first_calls(big: dict, elsewhere: torch.Tensor, flush: torch.Tensor, sizes, device) -> tuple[list, int, int]:
-    """Per size: (first call µs, repeated call µs, fresh-rows call µs) wall time with a synchronization, L2
-    flushed before each; kernels compiled and memory segments the caching allocator asked the driver for
+    """Per size: (first call µs, repeated call µs, fresh-rows call µs, Python garbage collections during the
+    first call) wall time with a synchronization, L2 flushed before each; kernels compiled and memory segments the caching allocator asked the driver for
     (each a cudaMalloc) during those calls. A repeated call reads the rows the first one read; a
     fresh-rows call has the same signature but other requests' indices (half the server's batch away), so
     it reads rows as new to the device as the first call's were, as every decoding step's are: the first
@@ -455,20 +460,31 @@ def _first_calls(big: dict, elsewhere: torch.Tensor, flush: torch.Tensor, sizes,
         flush[:4096].zero_()
         torch.cuda.synchronize(device)
 
+    collections = [0]  # Python garbage collections that started inside a timed call
+
+    def count_collections(phase, info):
+        collections[0] += phase == "start"
+
     def timed(a):
         flush.zero_()
         torch.cuda.synchronize(device)
+        gc.callbacks.append(count_collections)
         t0 = time.perf_counter()
         anymla.flash_mla_with_kvcache(**a)
         torch.cuda.synchronize(device)
-        return (time.perf_counter() - t0) * 1e6
+        t = (time.perf_counter() - t0) * 1e6
+        gc.callbacks.remove(count_collections)
+        return t
 
     segments0 = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
     for b in sizes:
         a = {k: (v[:b] if k in _PER_REQUEST else v) for k, v in big.items()}
-        run = [timed(a) for _ in range(1 + _REPEATS)]
+        seen = collections[0]
+        run = [timed(a)]
+        collected_first = collections[0] - seen
+        run += [timed(a) for _ in range(_REPEATS)]
         fresh = timed({**a, "indices": elsewhere[:b]})
-        times.append((run[0], sorted(run[1:])[_REPEATS // 2], fresh))
+        times.append((run[0], sorted(run[1:])[_REPEATS // 2], fresh, collected_first))
     segments = torch.cuda.memory_stats(device).get("segment.all.allocated", 0) - segments0
     return times, compiled_kernels() - kernels0, segments
 
@@ -498,7 +514,7 @@ def cold(device) -> list[dict]:
     rows.append(dict(part="cold", case="sparse V3.2 h64, b 1..256, no warmup", who="anymla", kernels=kernels,
                      segments_allocated=segments,
                      worst_first_us=times[worst][0], worst_b=sizes[worst],
-                     median_first_over_repeat=sorted(f / r for f, r, _ in times)[len(times) // 2]))
+                     median_first_over_repeat=sorted(f / r for f, r, _, _ in times)[len(times) // 2]))
     # Two servers warmed up alike (their caches differ in length, so their calls are different signatures): a
     # first call costs once per signature, so a cost that comes with a new size shows in both at that size,
     # while a host hiccup hits one of them.
@@ -507,8 +523,8 @@ def cold(device) -> list[dict]:
     (ta, ka, sa, report), (tb, kb, sb, _) = (_warmed(32, 4096, sizes, device, flush),
                                              _warmed(32, 4160, sizes[::-1], device, flush))
     tb = tb[::-1]
-    ra, rb = ([f / r for f, r, _ in t] for t in (ta, tb))
-    fa, fb = ([f / n for f, _, n in t] for t in (ta, tb))
+    ra, rb = ([f / r for f, r, _, _ in t] for t in (ta, tb))
+    fa, fb = ([f / n for f, _, n, _ in t] for t in (ta, tb))
     both, both_fresh = [min(a, b) for a, b in zip(ra, rb)], [min(a, b) for a, b in zip(fa, fb)]
     rows.append(dict(part="cold", case="sparse V3.2 h32, b 1..256, after warmup", who="anymla", kernels=ka + kb,
                      segments_allocated=sa + sb,
@@ -520,7 +536,10 @@ def cold(device) -> list[dict]:
                      worst_first_over_fresh_rows=max(fa), worst_first_over_fresh_rows_2nd_server=max(fb),
                      worst_over_fresh_of_the_better_of_both=max(both_fresh),
                      worst_over_fresh_b=sizes[max(range(len(both_fresh)), key=both_fresh.__getitem__)],
-                     first_repeat_fresh_us_at_b1=" / ".join(f"{x:.0f}" for x in ta[0])))
+                     first_repeat_fresh_us_at_b1=" / ".join(f"{x:.0f}" for x in ta[0][:3]),
+                     gc_in_first_calls=sum(t[3] for t in ta + tb),
+                     gc_in_worst_first_calls=tuple(t[max(range(len(r)), key=r.__getitem__)][3]
+                                                   for t, r in ((ta, ra), (tb, rb)))))
     for r in rows:
         print("cold  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
                                    if k != "part"), flush=True)

@@ -13,6 +13,7 @@ part of a signature: any value reuses the same plan.
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Union
@@ -75,7 +76,7 @@ def warmup(op: Union[str, Callable], sizes: Iterable[int] = range(1, 257), **exa
 
     ``example`` holds the keyword arguments of one real call of the configuration (the cache, head count,
     formats, page size and the layouts of the per-request tensors are taken from it; its values are not
-    used). Runs each replay for real on the device (each query attending one row, slot 0 of the cache: fast,
+    used). Runs each replay (twice) for real on the device (each query attending one row, slot 0 of the cache: fast,
     and every kernel's main loop has run once) and synchronizes once at the end. Returns how many new decisions and kernels that took.
     """
     fn = _OPS.get(op) if isinstance(op, str) else op
@@ -98,9 +99,15 @@ def warmup(op: Union[str, Callable], sizes: Iterable[int] = range(1, 257), **exa
                 args[key] = _resized(key, args[key], n, example)
         if "tile_scheduler_metadata" in args:
             args["tile_scheduler_metadata"] = None
-        out = fn(**args)
+        # Twice: the first call plans and records the size's entry on the compiled call path, the second runs
+        # that entry, the form every later call of this size takes.
+        for _ in range(2):
+            out = fn(**args)
         device = out[0].device
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
+    # The replays leave thousands of short-lived objects: collected here rather than by a collection that
+    # would otherwise fall on one of the first requests.
+    gc.collect()
     return WarmupReport(name, len(sizes), selection.decisions_made() - decisions0, _compiled_kernels() - kernels0,
                         time.perf_counter() - t0)
