@@ -27,6 +27,7 @@ import functools
 import gc
 import importlib.util
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -434,15 +435,27 @@ _REPEATS = 5  # a repeated call's time: the median of this many, after the first
 _L2_FLUSH_BYTES = 256 << 20
 
 
-def _first_calls(big: dict, elsewhere: torch.Tensor, flush: torch.Tensor, sizes, device) -> tuple[list, int, int]:
-    """Per size: (first call µs, repeated call µs, fresh-rows call µs, Python garbage collections during the
-    first call) wall time with a synchronization, L2 flushed before each; kernels compiled and memory segments the caching allocator asked the driver for
-    (each a cudaMalloc) during those calls. A repeated call reads the rows the first one read; a
-    fresh-rows call has the same signature but other requests' indices (half the server's batch away), so
-    it reads rows as new to the device as the first call's were, as every decoding step's are: the first
-    call's cost beyond a fresh-rows call is what a new size adds, beyond it what touching new rows adds.
-    ``elsewhere`` holds those indices and ``flush`` the L2 flush's buffer: made before any warmup, as a
-    server's buffers are, so that no allocation of the harness's own lands between a warmup and its calls."""
+class FirstCall(NamedTuple):
+    """One size's calls in a server (µs): wall times with a synchronization each side, and the first call's
+    host part (until it returned, before the synchronization) beside a repeated call's."""
+    first: float
+    repeat: float  # median of _REPEATS
+    fresh_rows: float
+    first_enqueue: float
+    repeat_enqueue: float  # of the median repeat
+    collections: int  # Python garbage collections that started during the first call
+
+
+def _first_calls(big: dict, elsewhere: torch.Tensor, flush: torch.Tensor, sizes,
+                 device) -> tuple[list[FirstCall], int, int]:
+    """Per size, its ``FirstCall``, L2 flushed before each call; kernels compiled and memory segments the
+    caching allocator asked the driver for (each a cudaMalloc) during those calls. A repeated call reads the
+    rows the first one read; a fresh-rows call has the same signature but other requests' indices (half the
+    server's batch away), so it reads rows as new to the device as the first call's were, as every decoding
+    step's are: the first call's cost beyond a fresh-rows call is what a new size adds, beyond it what
+    touching new rows adds. ``elsewhere`` holds those indices and ``flush`` the L2 flush's buffer: made before
+    any warmup, as a server's buffers are, so that no allocation of the harness's own lands between a warmup
+    and its calls."""
     from anymla.triton_kernels.launcher import compiled_kernels
     kernels0, times = compiled_kernels(), []
     # The GPU kept busy for a while first (after a warmup's seconds of host work its clocks are down, and the
@@ -460,31 +473,33 @@ def _first_calls(big: dict, elsewhere: torch.Tensor, flush: torch.Tensor, sizes,
         flush[:4096].zero_()
         torch.cuda.synchronize(device)
 
-    collections = [0]  # Python garbage collections that started inside a timed call
+    collections = [0]
 
     def count_collections(phase, info):
         collections[0] += phase == "start"
 
-    def timed(a):
+    def timed(a) -> tuple[float, float]:
+        """(wall µs, host µs until the call returned)"""
         flush.zero_()
         torch.cuda.synchronize(device)
         gc.callbacks.append(count_collections)
         t0 = time.perf_counter()
         anymla.flash_mla_with_kvcache(**a)
+        t1 = time.perf_counter()
         torch.cuda.synchronize(device)
-        t = (time.perf_counter() - t0) * 1e6
+        t2 = time.perf_counter()
         gc.callbacks.remove(count_collections)
-        return t
+        return (t2 - t0) * 1e6, (t1 - t0) * 1e6
 
     segments0 = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
     for b in sizes:
         a = {k: (v[:b] if k in _PER_REQUEST else v) for k, v in big.items()}
         seen = collections[0]
-        run = [timed(a)]
-        collected_first = collections[0] - seen
-        run += [timed(a) for _ in range(_REPEATS)]
+        first = timed(a)
+        collected = collections[0] - seen
+        repeat = sorted(timed(a) for _ in range(_REPEATS))[_REPEATS // 2]
         fresh = timed({**a, "indices": elsewhere[:b]})
-        times.append((run[0], sorted(run[1:])[_REPEATS // 2], fresh, collected_first))
+        times.append(FirstCall(first[0], repeat[0], fresh[0], first[1], repeat[1], collected))
     segments = torch.cuda.memory_stats(device).get("segment.all.allocated", 0) - segments0
     return times, compiled_kernels() - kernels0, segments
 
@@ -494,13 +509,21 @@ def _elsewhere(big: dict) -> torch.Tensor:
     return big["indices"].roll(big["indices"].shape[0] // 2, dims=0)
 
 
-def _warmed(h_q: int, s_k: int, sizes, device, flush) -> tuple[list, int, int, str]:
+def _warmed(h_q: int, s_k: int, sizes, device, flush) -> tuple[list[FirstCall], int, int, str]:
     """``_first_calls``'s results for a server warmed up first (``anymla.warmup``), and the warmup's report."""
     big = _server(h_q, sizes, device, s_k)
     elsewhere = _elsewhere(big)
     example = {k: (v[:1] if k in _PER_REQUEST else v) for k, v in big.items()}
     report = anymla.warmup(anymla.flash_mla_with_kvcache, sizes=sizes, **example)
     return (*_first_calls(big, elsewhere, flush, sizes, device), str(report))
+
+
+# Servers warmed up alike, (cache length, order of the sizes): their caches differ in length, so their calls
+# are different signatures. A first call costs once per signature, so a cost that comes with a new size shows
+# in every server at that size, while a host hiccup hits one of them. The second is timed from the largest
+# size down: a cost of being the first call timed after a warmup (not of a new size) then shows at b = 1 in
+# the others and at b = 256 in it.
+_WARMED_SERVERS = ((4096, 1), (4160, -1), (4224, 1))
 
 
 def cold(device) -> list[dict]:
@@ -510,36 +533,36 @@ def cold(device) -> list[dict]:
     big = _server(64, sizes, device)
     times, kernels, segments = _first_calls(big, _elsewhere(big), flush, sizes, device)
     del big
-    worst = max(range(len(times)), key=lambda i: times[i][0])
+    worst = max(range(len(times)), key=lambda i: times[i].first)
     rows.append(dict(part="cold", case="sparse V3.2 h64, b 1..256, no warmup", who="anymla", kernels=kernels,
                      segments_allocated=segments,
-                     worst_first_us=times[worst][0], worst_b=sizes[worst],
-                     median_first_over_repeat=sorted(f / r for f, r, _, _ in times)[len(times) // 2]))
-    # Two servers warmed up alike (their caches differ in length, so their calls are different signatures): a
-    # first call costs once per signature, so a cost that comes with a new size shows in both at that size,
-    # while a host hiccup hits one of them.
-    # The second one is timed from the largest size down: a cost of being the first call timed after a warmup
-    # (not of a new size) then shows at b = 1 in one and at b = 256 in the other.
-    (ta, ka, sa, report), (tb, kb, sb, _) = (_warmed(32, 4096, sizes, device, flush),
-                                             _warmed(32, 4160, sizes[::-1], device, flush))
-    tb = tb[::-1]
-    ra, rb = ([f / r for f, r, _, _ in t] for t in (ta, tb))
-    fa, fb = ([f / n for f, _, n, _ in t] for t in (ta, tb))
-    both, both_fresh = [min(a, b) for a, b in zip(ra, rb)], [min(a, b) for a, b in zip(fa, fb)]
-    rows.append(dict(part="cold", case="sparse V3.2 h32, b 1..256, after warmup", who="anymla", kernels=ka + kb,
-                     segments_allocated=sa + sb,
-                     warmup=report, worst_first_over_repeat=max(ra), worst_first_over_repeat_2nd_server=max(rb),
-                     worst_b_each_server=tuple(sizes[max(range(len(r)), key=r.__getitem__)] for r in (ra, rb)),
-                     worst_of_the_better_of_both=max(both),
-                     worst_b=sizes[max(range(len(both)), key=both.__getitem__)],
-                     median_first_over_repeat=sorted(ra)[len(ra) // 2],
-                     worst_first_over_fresh_rows=max(fa), worst_first_over_fresh_rows_2nd_server=max(fb),
-                     worst_over_fresh_of_the_better_of_both=max(both_fresh),
-                     worst_over_fresh_b=sizes[max(range(len(both_fresh)), key=both_fresh.__getitem__)],
-                     first_repeat_fresh_us_at_b1=" / ".join(f"{x:.0f}" for x in ta[0][:3]),
-                     gc_in_first_calls=sum(t[3] for t in ta + tb),
-                     gc_in_worst_first_calls=tuple(t[max(range(len(r)), key=r.__getitem__)][3]
-                                                   for t, r in ((ta, ra), (tb, rb)))))
+                     worst_first_us=times[worst].first, worst_b=sizes[worst],
+                     median_first_over_repeat=sorted(t.first / t.repeat for t in times)[len(times) // 2]))
+    servers, kernels, segments = [], 0, 0
+    for s_k, order in _WARMED_SERVERS:
+        t, k, seg, report = _warmed(32, s_k, sizes[::order], device, flush)
+        servers.append(t[::order])
+        kernels, segments = kernels + k, segments + seg
+    ratios = [[t.first / t.repeat for t in server] for server in servers]
+    over_fresh = [[t.first / t.fresh_rows for t in server] for server in servers]
+    best, best_fresh = [min(r) for r in zip(*ratios)], [min(r) for r in zip(*over_fresh)]
+    worst_at = [max(range(len(r)), key=r.__getitem__) for r in ratios]
+
+    def argmax(values):
+        return sizes[max(range(len(values)), key=values.__getitem__)]
+
+    rows.append(dict(part="cold", case=f"sparse V3.2 h32, b 1..256, after warmup, {len(servers)} servers",
+                     who="anymla", kernels=kernels, segments_allocated=segments, warmup=report,
+                     worst_first_over_repeat_each_server=" / ".join(f"{max(r):.2f}" for r in ratios),
+                     worst_b_each_server=" / ".join(str(sizes[i]) for i in worst_at),
+                     worst_of_the_best_of_servers=max(best), worst_b=argmax(best),
+                     median_first_over_repeat=sorted(ratios[0])[len(ratios[0]) // 2],
+                     worst_over_fresh_of_the_best_of_servers=max(best_fresh), worst_over_fresh_b=argmax(best_fresh),
+                     first_repeat_fresh_us_at_b1=" / ".join(f"{x:.0f}" for x in servers[0][0][:3]),
+                     # where each server's worst first call spent its time: host (until it returned) or device
+                     enqueue_first_repeat_us_at_worst=" / ".join(
+                         f"{s[i].first_enqueue:.0f}:{s[i].repeat_enqueue:.0f}" for s, i in zip(servers, worst_at)),
+                     gc_in_first_calls=sum(t.collections for server in servers for t in server)))
     for r in rows:
         print("cold  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
                                    if k != "part"), flush=True)
