@@ -518,12 +518,14 @@ def _warmed(h_q: int, s_k: int, sizes, device, flush) -> tuple[list[FirstCall], 
     return (*_first_calls(big, elsewhere, flush, sizes, device), str(report))
 
 
-# Servers warmed up alike, (cache length, order of the sizes): their caches differ in length, so their calls
-# are different signatures. A first call costs once per signature, so a cost that comes with a new size shows
-# in every server at that size, while a host hiccup hits one of them. The second is timed from the largest
-# size down: a cost of being the first call timed after a warmup (not of a new size) then shows at b = 1 in
-# the others and at b = 256 in it.
-_WARMED_SERVERS = ((4096, 1), (4160, -1), (4224, 1))
+# Servers warmed up alike, (cache length, the order their sizes are timed in): their caches differ in length,
+# so their calls are different signatures. A first call costs once per signature, so a cost that comes with a
+# new size shows in every server at that size, while a host hiccup hits one of them. Each server starts at
+# another size (1, 256, 129): the first call timed after a warmup pays a once-per-server host cost (runs 85-90:
+# at b = 1 ascending, at b = 256 descending), which no size then meets in more than one server.
+def _orders(sizes) -> tuple:
+    half = len(sizes) // 2
+    return ((4096, list(sizes)), (4160, list(sizes)[::-1]), (4224, list(sizes)[half:] + list(sizes)[:half]))
 
 
 def cold(device) -> list[dict]:
@@ -538,10 +540,12 @@ def cold(device) -> list[dict]:
                      segments_allocated=segments,
                      worst_first_us=times[worst].first, worst_b=sizes[worst],
                      median_first_over_repeat=sorted(t.first / t.repeat for t in times)[len(times) // 2]))
-    servers, kernels, segments = [], 0, 0
-    for s_k, order in _WARMED_SERVERS:
-        t, k, seg, report = _warmed(32, s_k, sizes[::order], device, flush)
-        servers.append(t[::order])
+    servers, firsts, kernels, segments = [], [], 0, 0
+    for s_k, order in _orders(sizes):
+        t, k, seg, report = _warmed(32, s_k, order, device, flush)
+        by_size = dict(zip(order, t))
+        servers.append([by_size[b] for b in sizes])
+        firsts.append(t[0])
         kernels, segments = kernels + k, segments + seg
     ratios = [[t.first / t.repeat for t in server] for server in servers]
     over_fresh = [[t.first / t.fresh_rows for t in server] for server in servers]
@@ -562,6 +566,9 @@ def cold(device) -> list[dict]:
                      # where each server's worst first call spent its time: host (until it returned) or device
                      enqueue_first_repeat_us_at_worst=" / ".join(
                          f"{s[i].first_enqueue:.0f}:{s[i].repeat_enqueue:.0f}" for s, i in zip(servers, worst_at)),
+                     # each server's first timed call: its host part beside a repeat's (the once-per-server cost)
+                     first_timed_call_enqueue_first_repeat_us=" / ".join(
+                         f"{t.first_enqueue:.0f}:{t.repeat_enqueue:.0f}" for t in firsts),
                      gc_in_first_calls=sum(t.collections for server in servers for t in server)))
     for r in rows:
         print("cold  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
@@ -574,7 +581,9 @@ def main() -> None:
     ap.add_argument("--csv", help="write every row to this CSV file")
     ap.add_argument("--profile", action="store_true", help="print where anymla's host time goes (cProfile)")
     ap.add_argument("--steps", action="store_true", help="time each step of anymla's call path (inclusive µs)")
-    ap.add_argument("--no-cold", action="store_true", help="leave out the cold-start measurement")
+    parts = ap.add_mutually_exclusive_group()
+    parts.add_argument("--no-cold", action="store_true", help="leave out the cold-start measurement")
+    parts.add_argument("--cold-only", action="store_true", help="the cold-start measurement only")
     args = ap.parse_args()
     r = dispatch()
     print(f"dispatch: one call through the dispatcher without a kernel, torch {torch.__version__}: "
@@ -586,7 +595,8 @@ def main() -> None:
         print(callpath.prepare(device), flush=True)
         if not args.no_cold:
             rows += cold(device)  # first: a new process whose kernels are not compiled yet
-        rows += primitives(device) + _launch_sizes(device) + host(device, args.profile, args.steps)
+        if not args.cold_only:
+            rows += primitives(device) + _launch_sizes(device) + host(device, args.profile, args.steps)
     if args.csv:
         fields = sorted({k for row in rows for k in row}, key=lambda k: (k not in ("part", "case", "who"), k))
         with open(args.csv, "w", newline="") as f:
