@@ -570,7 +570,12 @@ def cold(device) -> list[dict]:
                      first_timed_call_enqueue_first_repeat_us=" / ".join(
                          f"{t.first_enqueue:.0f}:{t.repeat_enqueue:.0f}" for t in firsts),
                      gc_in_first_calls=sum(t.collections for server in servers for t in server)))
-    for r in rows:
+    # every size of every warmed server, for the CSV (where a ratio comes from: which server, which call)
+    rows += [dict(part="cold-size", case=f"after warmup, server {n} (s_k {s_k}, from b = {order[0]})",
+                  who="anymla", b=b, **t._asdict())
+             for n, ((s_k, order), server) in enumerate(zip(_orders(sizes), servers))
+             for b, t in zip(sizes, server)]
+    for r in rows[:2]:
         print("cold  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
                                    if k != "part"), flush=True)
     return rows
