@@ -22,7 +22,7 @@ import anymla
 from anymla import buffers, callpath, kvcache, selection
 from anymla.callpath import native
 from anymla.callpath.watch import ptx_param_sizes
-from anymla.testing import device_under_test
+from anymla.testing import device_under_test, sparse_decode_inputs
 
 DEVICE = device_under_test()
 cpu_only = pytest.mark.skipif(DEVICE.type != "cpu", reason="stand-in kernels are for the interpreter (CPU)")
@@ -213,6 +213,26 @@ def test_a_repeated_call_launches_in_cpp_what_the_python_path_launches(stand_ins
     for e, g in zip(expected, got):
         assert (e.shape, e.stride(), e.dtype) == (g.shape, g.stride(), g.dtype)
         assert e.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()
+
+
+@cpu_only
+def test_after_warmup_every_sizes_first_call_runs_its_entry(stand_ins):
+    """``anymla.warmup`` leaves each batch size an entry: a server's first call at any size of the range, with
+    its own tensors (views of its largest batch, as a serving engine slices them), runs in C++."""
+    sizes = range(1, 5)
+    big = sparse_decode_inputs(max(sizes), 1, 16, 256, 64, fmt=kvcache.KVCacheFormat.V32_FP8, device="cpu")
+    big.update(tile_scheduler_metadata=None, backend="triton")
+
+    def batch(b):
+        return {k: (v[:b] if k in ("q", "indices") else v) for k, v in big.items()}
+
+    report = anymla.warmup(anymla.flash_mla_with_kvcache, sizes=sizes, **batch(1))
+    assert report.decisions == len(sizes) and native.module().size() == len(sizes), callpath.refusals()
+    for b in sizes:
+        hits = native.module().hits()
+        out, _ = anymla.flash_mla_with_kvcache(**batch(b))
+        assert native.module().hits() == hits + 1, f"b = {b}: the first call took the Python path"
+        assert out.shape[0] == b
 
 
 @cpu_only
