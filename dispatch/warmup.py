@@ -13,7 +13,6 @@ part of a signature: any value reuses the same plan.
 
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Union
@@ -100,14 +99,13 @@ def warmup(op: Union[str, Callable], sizes: Iterable[int] = range(1, 257), **exa
         if "tile_scheduler_metadata" in args:
             args["tile_scheduler_metadata"] = None
         # Twice: the first call plans and records the size's entry on the compiled call path, the second runs
-        # that entry, the form every later call of this size takes.
+        # that entry, the form every later call of this size takes. The entry code's first run in a process costs
+        # more (on a CPU with stand-in launches the first call after a warmup took ~50 µs, ~120 when each size
+        # was replayed once: the C++ path had then never run to its end).
         for _ in range(2):
             out = fn(**args)
         device = out[0].device
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
-    # The replays leave thousands of short-lived objects: collected here rather than by a collection that
-    # would otherwise fall on one of the first requests.
-    gc.collect()
     return WarmupReport(name, len(sizes), selection.decisions_made() - decisions0, _compiled_kernels() - kernels0,
                         time.perf_counter() - t0)
