@@ -606,3 +606,14 @@ def test_flashmla_peer_pads_heads_and_slices_them_back(monkeypatch, h_q):
     assert torch.equal(out, seen["out"][:, :, :h_q]) and torch.equal(lse, seen["lse"].transpose(1, 2)[:, :, :h_q])
     if h_q == 64:
         assert out is seen["out"] and lse.data_ptr() == seen["lse"].data_ptr()
+
+
+@pytest.mark.parametrize("shape, dim", [((3, 2, 16, 576), 2), ((5, 16, 576), 1), ((16,), 0)])
+def test_flashmla_peer_padding_appends_zero_heads_along_the_head_dimension(shape, dim):
+    """Decoding q [b, s_q, h, d], prefill q [s_q, h, d] and attn_sink [h]: zero heads appended up to 64."""
+    from anymla.backends.flashmla_peer import _Padding
+    t = torch.randn(shape)
+    padded = _Padding(16, 64).pad(t, dim)
+    assert padded.shape == (*shape[:dim], 64, *shape[dim + 1:])
+    assert torch.equal(padded.narrow(dim, 0, 16), t) and not padded.narrow(dim, 16, 48).any()
+    assert _Padding(64, 64).pad(t, dim) is t and _Padding(16, 64).pad(None, dim) is None

@@ -24,6 +24,7 @@ import importlib.util
 import inspect
 
 import torch
+import torch.nn.functional as F
 
 from ..kvcache import KVCacheFormat
 from ..registry import OPS, Backend
@@ -48,9 +49,9 @@ class _Padding:
         """``t`` with zero heads appended along ``dim`` (None stays None)."""
         if t is None or self.padded == self.h_q:
             return t
-        shape = list(t.shape)
-        shape[dim] = self.padded - self.h_q
-        return torch.cat([t, t.new_zeros(shape)], dim)
+        # one op (torch.cat of a new_zeros is three: ~5 µs more host time on a CPU); F.pad's pairs run from
+        # the last dimension back
+        return F.pad(t, (0, 0) * (t.dim() - 1 - dim) + (0, self.padded - self.h_q))
 # Formats each FlashMLA generation decodes sparsely: v1.0.0 (SM90 and SM100) and the 2026-09-30 release
 # (SM100 only), told apart by the fused kernel only the later one exports.
 _V1_FORMATS = (KVCacheFormat.V32_FP8, KVCacheFormat.MODEL1_FP8)
