@@ -52,6 +52,8 @@ class _Padding:
         # one op (torch.cat of a new_zeros is three: ~5 µs more host time on a CPU); F.pad's pairs run from
         # the last dimension back
         return F.pad(t, (0, 0) * (t.dim() - 1 - dim) + (0, self.padded - self.h_q))
+
+
 # Formats each FlashMLA generation decodes sparsely: v1.0.0 (SM90 and SM100) and the 2026-09-30 release
 # (SM100 only), told apart by the fused kernel only the later one exports.
 _V1_FORMATS = (KVCacheFormat.V32_FP8, KVCacheFormat.MODEL1_FP8)
