@@ -553,11 +553,14 @@ def test_flashmla_peer_measured_regimes(monkeypatch):
     monkeypatch.setattr(flashmla_peer, "_arch", lambda device: 9)
     cuda = torch.device("cuda")
 
-    def faster(op, q_shape, fmt=None, device=cuda, topk=2048, extra_topk=None):
+    def faster(op, q_shape, fmt=None, device=cuda, topk=2048, extra_topk=None, s_k=8192, h_kv=1):
         extra = None if extra_topk is None else torch.empty(extra_topk, device="meta")
+        dense = dict(k_cache=torch.empty(1, 64, h_kv, 576, device="meta"),
+                     block_table=torch.empty(q_shape[0], s_k // 64, device="meta"))
         return bool(peer.measured_faster(SimpleNamespace(op=op, device=device, fmt=fmt,
                                                          q=torch.empty(q_shape, device="meta"),
-                                                         indices=torch.empty(topk, device="meta"), extra_indices=extra)))
+                                                         indices=torch.empty(topk, device="meta"), extra_indices=extra,
+                                                         **dense)))
     assert not faster("sparse_prefill", (4096, 16, 576)) and faster("sparse_prefill", (4096, 17, 576))
     assert faster("sparse_prefill", (4096, 128, 512))
     assert not faster("sparse_decode", (128, 1, 32, 576), F.V32_FP8)
@@ -569,7 +572,11 @@ def test_flashmla_peer_measured_regimes(monkeypatch):
     assert faster("sparse_decode", (128, 2, 64, 512), F.MODEL1_FP8, topk=128, extra_topk=512), \
         "FlashMLA's CONFIG1: the extra cache's keys count"
     assert not faster("sparse_decode", (128, 1, 64, 512), F.V41_FP8)
-    assert not faster("dense_decode", (128, 1, 128, 576))
+    # dense: FlashMLA at 128 query rows a kv head and more, where the call is GPU-bound
+    assert faster("dense_decode", (128, 2, 128, 576)) and faster("dense_decode", (64, 1, 128, 576), s_k=4096)
+    assert not faster("dense_decode", (128, 1, 32, 576)) and not faster("dense_decode", (128, 1, 16, 576))
+    assert not faster("dense_decode", (128, 1, 128, 576), h_kv=2), "64 rows a kv head"
+    assert not faster("dense_decode", (1, 1, 128, 576), s_k=32768), "b1 h128 s_k 32768: host-bound, anymla's own"
     assert not faster("sparse_prefill", (4096, 128, 576), device=torch.device("cpu"))
     monkeypatch.setattr(flashmla_peer, "_arch", lambda device: 10)
     assert not faster("sparse_prefill", (4096, 128, 576))

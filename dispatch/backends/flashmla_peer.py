@@ -98,11 +98,12 @@ def _arch(device: torch.device) -> int:
 
 # Regimes where FlashMLA v1.0.0 on sm_90 was measured faster than anymla's Triton tier (H200, torch 2.11, Triton
 # 3.6, GPU time, both in the same run, heads padded to 64 for FlashMLA as serving engines do; bench/results/h200/
-# run54_final, run59_fp16_keys, and run62_bench, where the dispatcher then picked the faster in every sparse
-# case): where this says nothing, the Triton tier was the faster (sparse prefill at 16 heads or fewer: 1728 vs
-# 2124 µs at h16 d576; sparse decoding at 32 heads or fewer: V3.2 b128 h8 / h16 / h32 94.9 / 95.2 / 116 vs
-# 128 / 127 / 127 µs; MODEL1 h16 108 vs 165), or no rule is drawn: dense decoding, FlashMLA faster at b128 s_q 2
-# h128 (900 vs 1123 µs), the Triton tier at b128 h16 (303 vs 315) and b1 h128 (39.6 vs 43.5).
+# run54_final, run59_fp16_keys, run62_bench and run91_bench, where the dispatcher then picked the faster in every
+# case but dense b128 h32, within 4 %): where this says nothing, the Triton tier was the faster (sparse prefill at
+# 16 heads or fewer: 1716 vs 2094 µs at h16 d576; sparse decoding at 32 heads or fewer: V3.2 b128 h8 / h16 / h32
+# 93.7 / 94.5 / 115 vs 128 / 127 / 127 µs; MODEL1 h16 108 vs 165; dense decoding of fewer than 128 query rows a
+# kv head: b128 h16 304 vs 315, b128 h32 328 vs 316, and b1 h128 39.6 vs 43.6, below the GPU-bound size).
+# Each entry: (the most query heads, or for dense decoding query rows a kv head, anymla keeps; why).
 _FASTER_ON_SM90 = {
     "sparse_prefill": (16, "FlashMLA v1.0.0 measured faster on sm_90 above 16 heads a token (H200, 2026-12-01, "
                            "same run: h32 d512 1989 vs 2108 µs, h32 d576 2125 vs 2251, h64 d512 1941 vs 2544, h128 "
@@ -110,6 +111,9 @@ _FASTER_ON_SM90 = {
     "sparse_decode": (32, "FlashMLA v1.0.0 measured faster on sm_90 above 32 heads a token of a V32_FP8 or "
                           "MODEL1_FP8 cache (H200, 2026-12-01, same run: MODEL1 h64 with an extra cache 94.0 vs "
                           "134 µs, h128 208 vs 382; V3.2 b64 h64 80.0 vs 93.1, b128 s_q 2 h128 369 vs 503)"),
+    "dense_decode": (127, "FlashMLA v1.0.0 measured faster on sm_90 for dense decoding of at least 128 query rows "
+                          "a kv head (H200, same run: b128 s_q 2 h128 s_k 8192 843 vs 1085 µs on 2026-12-02, 891 vs "
+                          "1059 the day before; b64 h128 s_k 4096 121 vs 143 on 2026-12-01)"),
 }
 
 
@@ -148,15 +152,20 @@ class FlashMLAPeer(Backend):
         regime = _FASTER_ON_SM90.get(problem.op)
         if regime is None or problem.device.type != "cuda" or _arch(problem.device) != 9:
             return ""
-        most_heads, why = regime
-        q, keys = problem.q, problem.indices.shape[-1]
-        extra = getattr(problem, "extra_indices", None)
-        keys += 0 if extra is None else extra.shape[-1]
-        if q.numel() // q.shape[-1] * keys < _GPU_BOUND_PAIRS:
+        most, why = regime
+        q = problem.q
+        if problem.op == "dense_decode":
+            # the query rows of a kv head (FlashMLA's tile rows) and, as keys, the block table's capacity (a call
+            # signature fixes no cache length)
+            wide = q.shape[1] * q.shape[2] // problem.k_cache.shape[2]
+            keys = problem.block_table.shape[1] * problem.k_cache.shape[1]
+        else:
+            wide = q.shape[1] if problem.op == "sparse_prefill" else q.shape[2]
+            extra = getattr(problem, "extra_indices", None)
+            keys = problem.indices.shape[-1] + (0 if extra is None else extra.shape[-1])
+        if q.numel() // q.shape[-1] * keys < _GPU_BOUND_PAIRS or wide <= most:
             return ""
-        if problem.op == "sparse_prefill":
-            return why if q.shape[1] > most_heads else ""
-        return why if q.shape[2] > most_heads and problem.fmt in _V1_FORMATS else ""
+        return why if problem.op != "sparse_decode" or problem.fmt in _V1_FORMATS else ""
 
     def shape_reasons(self, problem) -> list[str]:
         module, _ = _flash_mla()
