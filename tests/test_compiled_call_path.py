@@ -325,9 +325,14 @@ def test_a_peers_own_form_runs_its_repeated_calls(compiled_path, monkeypatch, h_
         return torch.randn(b, s_q, h, d_v, generator=g), torch.randn(b, s_q, h, generator=g).transpose(1, 2)
 
     def with_kvcache(q, k_cache, block_table, cache_seqlens, d_v, meta, num_splits, **kw):
-        seen.append(("interface", q, kw["indices"], kw["softmax_scale"]))
+        seen.append(("interface", q, kw.get("indices", block_table), kw["softmax_scale"]))
         meta.have_initialized, meta.tile_scheduler_metadata, meta.num_splits = True, torch.zeros(4), torch.ones(1)
         return outputs(q, d_v)
+
+    def dense_decode_fwd(q, k_cache, d_v, cache_seqlens, block_table, sm_scale, causal, scheduling, splits):
+        assert scheduling.shape == (4,) and splits.shape == (1,), "the metadata's tensors, as the interface passes them"
+        seen.append(("op", q, block_table, sm_scale))
+        return (*outputs(q, d_v), scheduling, splits)
 
     def sparse_decode_fwd(q, k_cache, indices, topk_length, attn_sink, scheduling, splits, extra_k_cache,
                           extra_indices, extra_topk_length, d_v, sm_scale):
@@ -344,7 +349,8 @@ def test_a_peers_own_form_runs_its_repeated_calls(compiled_path, monkeypatch, h_
 
     fake = types.SimpleNamespace(flash_mla_with_kvcache=with_kvcache, get_mla_metadata=metadata,
                                  flash_mla_sparse_fwd=sparse_fwd, flash_mla_interface=types.SimpleNamespace(
-                                     flash_mla_cuda=types.SimpleNamespace(sparse_decode_fwd=sparse_decode_fwd)))
+                                     flash_mla_cuda=types.SimpleNamespace(sparse_decode_fwd=sparse_decode_fwd,
+                                                                          dense_decode_fwd=dense_decode_fwd)))
     monkeypatch.setattr(flashmla_peer, "_flash_mla", lambda: (fake, ""))
     monkeypatch.setattr(flashmla_peer.FlashMLAPeer, "device_types", ("cpu",))
     monkeypatch.setattr(flashmla_peer.FlashMLAPeer, "unavailable_reasons", lambda self, device: [])
@@ -363,6 +369,15 @@ def test_a_peers_own_form_runs_its_repeated_calls(compiled_path, monkeypatch, h_
     prefill, _ = _prefill_args(topk=128)
     outputs_ = [anymla.flash_mla_sparse_fwd(*prefill, backend="flashmla") for _ in range(2)]
     assert native.module().hits() == hits + 3 and [o.shape[1] for o in outputs_[1]] == [16, 16, 16]
+    # dense decoding: the same, FlashMLA's dense op once the metadata is initialized (no head padding)
+    seen.clear()
+    args, kwargs = _dense_decode_args(h=h_q)
+    dense = [anymla.flash_mla_with_kvcache(*args, **kwargs, backend="flashmla") for _ in range(3)]
+    assert native.module().hits() == hits + 5, callpath.refusals()
+    assert [s[0] for s in seen] == ["interface", "op", "op"]
+    assert all(s[1] is args[0] and s[2] is args[2] and s[3] == args[0].shape[-1] ** -0.5 for s in seen)
+    for first, python, compiled in zip(*dense):
+        assert first.stride() == compiled.stride() and torch.equal(python, compiled)
 
 
 def _layer_and_inputs(fmt, seed=0, device="cpu", topk=16):

@@ -82,13 +82,13 @@ def _is_v41(module) -> bool:
     return hasattr(module, "fused_norm_rope_attn_rope_cast")
 
 
-def _sparse_decode_op(module):
-    """v1.0.0's sparse decoding op (``flash_mla.cuda.sparse_decode_fwd``, which its ``flash_mla_with_kvcache``
-    calls after checking the arguments against the metadata's configuration), or None for another release."""
+def _decode_op(module, name: str):
+    """v1.0.0's decoding op ``name`` (``flash_mla.cuda.sparse_decode_fwd`` or ``dense_decode_fwd``, which its
+    ``flash_mla_with_kvcache`` calls after checking the arguments against the metadata's configuration), or None
+    for another release."""
     if _is_v41(module):
         return None
-    return getattr(getattr(getattr(module, "flash_mla_interface", None), "flash_mla_cuda", None), "sparse_decode_fwd",
-                   None)
+    return getattr(getattr(getattr(module, "flash_mla_interface", None), "flash_mla_cuda", None), name, None)
 
 
 def _arch(device: torch.device) -> int:
@@ -264,11 +264,21 @@ class FlashMLAPeer(Backend):
                 module, plan, q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
         if problem.op == "dense_decode":
             causal = problem.causal
-            return lambda sched, q, k_cache, block_table, cache_seqlens, d_v, *_: _dense(
-                module, self._metadata(sched, module), q, k_cache, block_table, cache_seqlens, d_v, sm_scale, causal)
+            raw = _decode_op(module, "dense_decode_fwd")
+
+            def dense(sched, q, k_cache, block_table, cache_seqlens, d_v, *_):
+                meta = self._metadata(sched, module)
+                if raw is None or not meta.have_initialized:  # FlashMLA's interface fills its metadata
+                    return _dense(module, meta, q, k_cache, block_table, cache_seqlens, d_v, sm_scale, causal)
+                # FlashMLA's op itself, as its interface calls it once the metadata holds this configuration
+                out, lse, meta.tile_scheduler_metadata, meta.num_splits = raw(
+                    q, k_cache, d_v, cache_seqlens, block_table, sm_scale, causal, meta.tile_scheduler_metadata,
+                    meta.num_splits)
+                return out, lse
+            return dense
 
         extra = {"enable_batch_invariant": True} if problem.batch_invariant else {}
-        raw = None if extra else _sparse_decode_op(module)
+        raw = None if extra else _decode_op(module, "sparse_decode_fwd")
 
         def sparse(sched, q, k_cache, _table, _lens, d_v, _splits, _scale, _causal, _fp8, indices, attn_sink,
                    extra_k_cache, extra_indices, topk_length, extra_topk_length, _invariant):
