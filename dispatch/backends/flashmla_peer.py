@@ -112,8 +112,9 @@ _FASTER_ON_SM90 = {
                           "MODEL1_FP8 cache (H200, 2026-12-01, same run: MODEL1 h64 with an extra cache 94.0 vs "
                           "134 µs, h128 208 vs 382; V3.2 b64 h64 80.0 vs 93.1, b128 s_q 2 h128 369 vs 503)"),
     "dense_decode": (127, "FlashMLA v1.0.0 measured faster on sm_90 for dense decoding of at least 128 query rows "
-                          "a kv head (H200, same run: b128 s_q 2 h128 s_k 8192 843 vs 1085 µs on 2026-12-02, 891 vs "
-                          "1059 the day before; b64 h128 s_k 4096 121 vs 143 on 2026-12-01)"),
+                          "a kv head (H200, each pair from one run: b128 s_q 2 h128 s_k 8192 843 vs 1085 µs and 891 vs "
+                          "1059 on 2026-12-02, 900 vs 1123 on 2026-12-01; b64 h128 s_k 4096 121 vs 143 on "
+                          "2026-12-01)"),
 }
 
 
