@@ -75,8 +75,9 @@ def warmup(op: Union[str, Callable], sizes: Iterable[int] = range(1, 257), **exa
 
     ``example`` holds the keyword arguments of one real call of the configuration (the cache, head count,
     formats, page size and the layouts of the per-request tensors are taken from it; its values are not
-    used). Runs each replay (twice) for real on the device (each query attending one row, slot 0 of the cache: fast,
-    and every kernel's main loop has run once) and synchronizes once at the end. Returns how many new decisions and kernels that took.
+    used). Runs each replay twice for real on the device (each query attending one row, slot 0 of the cache:
+    fast, and every kernel's main loop has run once) and synchronizes once at the end. Returns how many new
+    decisions and kernels that took.
     """
     fn = _OPS.get(op) if isinstance(op, str) else op
     if fn not in _OPS.values():
