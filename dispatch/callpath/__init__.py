@@ -85,6 +85,12 @@ def recordable_on(device) -> bool:
     return (_NVIDIA and device.type == "cuda") or _state["test_device"]
 
 
+def recording(device) -> bool:
+    """Whether a call on ``device`` goes through :func:`record`: a layer step is being watched, or the call can
+    have an entry. Elsewhere (CPU, AMD, NPU, meta) the public functions run their decision directly."""
+    return _state["watching"] or recordable_on(device)
+
+
 def record(entry: Optional[tuple], decision, op: int, problem, args: tuple, run: Callable):
     """``run()`` (the Python path of ``problem``'s call, after its decision), watched and made an entry where
     it can be; ``entry`` is what :func:`entry_point` returned for this call and ``args`` the call's key
