@@ -133,6 +133,11 @@ def _dense_decode(name, b, s_q, h_q, s_k, causal=False):
 
 _V41_EXTRA = dict(extra_fmt="V41_FP4", extra_topk=512, extra_page=64, extra_s_k=8192)
 _MODEL1_EXTRA = dict(extra_fmt="MODEL1_FP8", extra_topk=512, extra_page=64, extra_s_k=16384)
+_V41_FP8_EXTRA = {**_V41_EXTRA, "extra_fmt": "V41_FP8"}
+# Every sparse decoding format (main cache, and extra cache where the format takes one), named as in case names.
+_DECODE_FORMATS = (("bf16", "BF16", {}), ("v32", "V32_FP8", {}), ("model1", "MODEL1_FP8", {}),
+                   ("model1+model1", "MODEL1_FP8", _MODEL1_EXTRA), ("v41", "V41_FP8", {}),
+                   ("v41+fp8", "V41_FP8", _V41_FP8_EXTRA), ("v41+fp4", "V41_FP8", _V41_EXTRA))
 TP_HEADS = (128, 64, 16, 8)  # DeepSeek's 128 query heads at tensor-parallel degrees 1, 2, 8 and 16
 
 SUITES: dict[str, list[Case]] = {
@@ -182,6 +187,10 @@ SUITES: dict[str, list[Case]] = {
         _sparse_decode("model1-config2-b128-sq2-h128", 128, 2, 128, "MODEL1_FP8", topk=128, s_k=16384, page=256,
                        varlen=True, **{**_MODEL1_EXTRA, "extra_topk": 1024}),
     ],
+    # Issue 14's byte-floor row: sparse decoding of b 128 single-token queries, top-2048, in every format at the
+    # tensor-parallel head counts (each row's floor: the bytes it gathers at the same-run copy rate).
+    "tp-formats": [_sparse_decode(f"tpf-sdecode-{tag}-b128-h{h}", 128, 1, h, fmt, **extra)
+                   for tag, fmt, extra in _DECODE_FORMATS for h in (8, 16, 32)],
 }
 # Suites made of other suites: their cases run and are reported under the composite's name.
 COMPOSITES: dict[str, tuple] = {
