@@ -344,6 +344,50 @@ def test_warp_specialized_sparse_decode(backend, case, splits, tol_scale, device
     compare_outputs("sparse_decode", got, ref, scale=tol_scale)
 
 
+# bf16 caches: the Hopper prefill kernel over the cache's rows laid end to end (a slot is a row), every program
+# form (16, 32 and 64 heads), tails, lengths kept per request at s_q > 1, empty and invalid-only tokens
+WARP_SPECIALIZED_BF16_DECODE = [dict(fmt=F.BF16, h_q=h, s_k=s_k, topk=k, page=page, b=3, s_q=s_q, sink=extras,
+                                     topk_length=extras)
+                                for h in (128, 64, 40, 32, 16, 5)
+                                for (s_k, k, page) in ((512, 64, 2), (2046, 2048, 64), (650, 100, 53))
+                                for s_q, extras in ((1, False), (2, True), (3, True))]
+WARP_SPECIALIZED_BF16_DECODE += [
+    dict(fmt=F.BF16, h_q=16, s_k=300, topk=64, page=16, b=2, s_q=3, all_invalid=True, sink=True),
+    dict(fmt=F.BF16, h_q=64, s_k=300, topk=128, page=16, b=6, s_q=1, zero_len_frac=0.5, sink=True),
+    dict(fmt=F.BF16, h_q=128, s_k=300, topk=192, page=256, b=3, s_q=2, shuffle_invalid=True),  # leading -1
+    dict(fmt=F.BF16, h_q=8, s_k=200, topk=128, page=1, b=2, s_q=2, topk_length=True),
+]
+
+
+@pytest.mark.parametrize("case", WARP_SPECIALIZED_BF16_DECODE, ids=_decode_id)
+def test_warp_specialized_bf16_sparse_decode(backend, case, tol_scale, device):
+    tuning = _warp_specialized_only(backend, device)
+    c = dict(case)
+    args = sparse_decode_inputs(c.pop("b"), c.pop("s_q"), c.pop("h_q"), c.pop("s_k"), c.pop("topk"), device=device,
+                                seed=zlib.crc32(_decode_id(case).encode()), **c)
+    with tuning.forced(warp_specialized=True):
+        assert "sparse prefill kernel over the cache's rows" in anymla.explain(
+            "flash_mla_with_kvcache", **args, tile_scheduler_metadata=None, backend=backend).kernel
+        got, ref = _decode_pair(args, backend)
+    compare_outputs("sparse_decode", got, ref, scale=tol_scale)
+
+
+def test_bf16_sparse_decode_dispatch(backend, tol_scale, device):
+    """Unforced, the prefill kernel takes a bf16 sparse decoding call whose tokens fill the GPU without a split,
+    and not one that needs splits (a few tokens), nor a cache whose blocks do not lie back to back."""
+    _warp_specialized_only(backend, device)
+    cores = torch.cuda.get_device_properties(device).multi_processor_count
+    filling = sparse_decode_inputs(cores // 2 + 1, 1, 16, 600, 256, fmt=F.BF16, topk_length=True, sink=True,
+                                   device=device, seed=21)
+    few = sparse_decode_inputs(4, 1, 16, 600, 256, fmt=F.BF16, device=device, seed=22)
+    padded = sparse_decode_inputs(cores, 1, 16, 600, 256, fmt=F.BF16, block_pad=2, device=device, seed=23)
+    for args, through_prefill in ((filling, True), (few, False), (padded, False)):
+        kernel = anymla.explain("flash_mla_with_kvcache", **args, tile_scheduler_metadata=None, backend=backend).kernel
+        assert ("sparse prefill kernel over the cache's rows" in kernel) is through_prefill, kernel
+        got, ref = _decode_pair(args, backend)
+        compare_outputs("sparse_decode", got, ref, scale=tol_scale)
+
+
 @pytest.mark.parametrize("forced", (None, True), ids=("dispatched", "warp-specialized"))
 @pytest.mark.parametrize("magnitude", (2.0 ** -30, 2.0 ** -12, 2.0 ** 12, 2.0 ** 40), ids=lambda m: f"kv2^{int(math.log2(m))}")
 def test_sparse_decode_number_range(backend, magnitude, forced, tol_scale, device):

@@ -67,20 +67,21 @@ def dense_decode_hopper_kernel(
 # s_kv only bounds the indices: a new number of kv rows reuses the compiled kernel.
 @gluon.jit(do_not_specialize=["s_kv"])
 def sparse_prefill_hopper_kernel(
-        q_ptr, sq_t, sq_h, kv_ptr, skv_r, s_kv, idx_ptr, si_t, topk, len_ptr, sink_ptr,
+        q_ptr, sq_t, sq_h, kv_ptr, skv_r, s_kv, idx_ptr, si_t, topk, len_ptr, len_div, sink_ptr,
         out_ptr, so_t, so_h, lse_ptr, max_ptr, h_q, hb_per_token, scale_log2,
         D_QK: gl.constexpr, HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, K_LAYOUT: gl.constexpr, R_LAYOUT: gl.constexpr, HEADS: gl.constexpr):
     """Program ``token * head_blocks + head_block``: HEADS heads of one token (one kv head) over the token's
-    ``topk`` gathered rows; blocks past ``topk_length`` are never visited. 64 heads: NUM_STAGES key stages
-    that the output warpgroups refill; 16 or 32: the few-head form of ``few_heads.py`` (two stages, each
+    ``topk`` gathered rows; blocks past ``topk_length[token // len_div]`` are never visited (``len_div`` 1 for
+    prefill, ``s_q`` for bf16 sparse decoding's tokens, whose lengths are per request). 64 heads: NUM_STAGES key
+    stages that the output warpgroups refill; 16 or 32: the few-head form of ``few_heads.py`` (two stages, each
     refilled by a gathering warpgroup of its own)."""
     pid = gl.program_id(0)
     t = pid // hb_per_token
     r0 = (pid % hb_per_token) * HEADS
     length = topk
     if HAS_LEN:
-        length = gl.maximum(gl.minimum(topk, gl.load(len_ptr + t)), 0)
+        length = gl.maximum(gl.minimum(topk, gl.load(len_ptr + t // len_div)), 0)
     heads = r0 + gl.arange(0, HEADS, layout=VECTOR_LAYOUT)
     q_at = t.to(gl.int64) * sq_t + heads * sq_h
     idx_row_ptr = idx_ptr + t.to(gl.int64) * si_t

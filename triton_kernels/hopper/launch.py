@@ -18,8 +18,9 @@ from anymla.kvcache import KVCacheFormat
 
 from .. import runtime
 from ..launcher import LatestDescriptors, Launcher
-from ..tuning import (HOPPER_FEWEST_ROWS, TileConfig, forced_tma, forced_warp_specialized, hopper_program_heads,
-                      warp_specialized_config)
+from ..splits import choose_num_splits
+from ..tuning import (HOPPER_FEWEST_ROWS, TileConfig, forced_splits, forced_tma, forced_warp_specialized,
+                      hopper_program_heads, warp_specialized_config)
 
 
 def _device_reasons(device: torch.device, tile: TileConfig, op: str = "") -> list[str]:
@@ -110,6 +111,41 @@ def sparse_decode_reasons(p, tile: TileConfig) -> list[str]:
     return reasons
 
 
+def bf16_decode_reasons(p, tile: TileConfig, cores: int) -> list[str]:
+    """Why the Hopper prefill kernel does not serve this sparse decoding call over a bf16/fp16 cache (empty: it
+    does). A paged cache whose blocks lie back to back is a prefill's kv of ``num_blocks x page`` rows, a slot
+    being its row, and the call's ``b x s_q`` tokens are the prefill's queries (invalid slots are skipped and
+    empty tokens give out 0, lse +inf alike), so the prefill kernel serves it as it is. It runs one program a
+    token and head block over the token's whole top-k, with no split along the keys: it takes a call where the
+    decoding kernels would not split either (``cores`` multiprocessors, one program each), and any call when
+    forced."""
+    reasons = _device_reasons(p.device, tile, "sparse_prefill")
+    if reasons:
+        return reasons
+    kv = p.k_cache
+    num_blocks, page, h_kv, _ = kv.shape
+    if p.extra_k_cache is not None:
+        reasons.append("an extra cache: the prefill kernel gathers from one kv")
+    reasons += _value_reasons(p.q, kv, h_kv)
+    if kv.stride(0) != page * kv.stride(1) or num_blocks * page >= 2 ** 31 or kv.stride(1) * kv.element_size() % 16:
+        reasons.append("cache blocks not packed (block stride > page x row), over 2^31 rows, or rows not 16-byte "
+                       "aligned")
+    if num_blocks * page == 0 or p.indices.shape[-1] == 0:
+        reasons.append("no row to attend (an empty cache or a top-k of 0)")
+    splits = forced_splits()
+    if splits not in (None, 1):
+        reasons.append(f"{splits} splits forced: the prefill kernel does not split the keys")
+    elif splits is None and not forced_warp_specialized():
+        b, s_q, h_q, _ = p.q.shape
+        programs = b * s_q * triton.cdiv(h_q, hopper_program_heads("sparse_prefill", h_q)[0])
+        wanted = choose_num_splits(programs, triton.cdiv(p.indices.shape[-1], tile.block_n), cores, 1,
+                                   p.batch_invariant)
+        if wanted > 1:
+            reasons.append(f"{programs} programs of one token each leave most of {cores} multiprocessors idle: "
+                           f"the decoding kernels split the keys ({wanted} splits) to fill them")
+    return reasons
+
+
 def use(reasons: list[str]) -> bool:
     """Whether to launch a Hopper kernel; a forced one that cannot run raises with every reason."""
     if reasons and forced_warp_specialized():
@@ -183,12 +219,15 @@ class SparsePrefillLaunch:
                            tile.block_h]
         self.launcher = Launcher(sparse_prefill_hopper_kernel, num_warps=4, maxnreg=REGS.value)
 
-    def __call__(self, q, kv, indices, topk_length, sink, sm_scale: float, out, lse, max_logits) -> None:
+    def __call__(self, q, kv, indices, topk_length, sink, sm_scale: float, out, lse, max_logits,
+                 len_div: int = 1) -> None:
+        """q ``[tokens, h_q, d_qk]``, kv ``[rows, 1, d_qk]``, indices ``[tokens, 1, topk]`` rows of kv, topk_length
+        ``[tokens // len_div]``; out ``[tokens, h_q, 512]``, lse and max_logits ``[tokens, h_q]`` contiguous."""
         scale = sm_scale * math.log2(math.e)
         self.launcher.bind(self.grid, (q, kv, indices, topk_length, sink, out, lse, max_logits, scale), lambda: [
             q, q.stride(0), q.stride(1), kv, kv.stride(0), kv.shape[0], indices, indices.stride(0),
-            indices.shape[-1], topk_length, sink, out, out.stride(0), out.stride(1), lse, max_logits, q.shape[1],
-            self.hb, scale, *self.constexprs])
+            indices.shape[-1], topk_length, len_div, sink, out, out.stride(0), out.stride(1), lse, max_logits,
+            q.shape[1], self.hb, scale, *self.constexprs])
 
 
 def program_shape(op: str, h_q: int) -> tuple[TileConfig, str]:

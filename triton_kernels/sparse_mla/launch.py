@@ -199,16 +199,31 @@ class SparseDecodePlan:
         self.tokens = tokens = b * s_q
         self.fmt, self.x_fmt = fmt, x_fmt = p.fmt, p.extra_fmt
         tile = sparse_config(runtime.device_kind(p.device), h_q, fmt.is_quantized, fmt.name)
-        reasons = hopper.sparse_decode_reasons(p, tile)
+        cores = runtime.num_cores(p.device)
+        # bf16 caches: the Hopper prefill kernel over the cache's rows (the Hopper decoding kernel dequantizes)
+        self.as_prefill = fmt is KVCacheFormat.BF16
+        reasons = hopper.bf16_decode_reasons(p, tile, cores) if self.as_prefill else \
+            hopper.sparse_decode_reasons(p, tile)
         self.hopper = hopper.use(reasons)
-        shape, form = hopper.program_shape("sparse_decode", h_q) if self.hopper else (tile, "")  # the programs to fill
-        keys = p.indices.shape[-1] + (0 if p.extra_indices is None else p.extra_indices.shape[-1])
-        self.num_splits = choose_num_splits(tokens * triton.cdiv(h_q, shape.block_h), triton.cdiv(keys, shape.block_n),
-                                            runtime.num_cores(p.device), shape.programs_per_core, p.batch_invariant)
-        split = self.num_splits > 1
+        self.as_prefill &= self.hopper
         has_x = p.extra_k_cache is not None
         has_len, has_x_len, has_sink = p.topk_length is not None, p.extra_topk_length is not None, \
             p.attn_sink is not None
+        self.read_q = _as_read(p.q, self._kernel_q)
+        self.read_idx, self.read_x_idx = _as_read(p.indices, _flat_indices), _as_read(p.extra_indices, _flat_indices)
+        self.combine = None
+        if self.as_prefill:
+            self.num_splits = 1
+            shape, form = hopper.program_shape("sparse_prefill", h_q)
+            self.launch = hopper.SparsePrefillLaunch(shape, self._kernel_q(p.q), p.k_cache, has_len, has_sink)
+            self.description = hopper.describe(reasons, "sparse", tile, 1,
+                                               f"the sparse prefill kernel over the cache's rows as one kv; {form}")
+            return
+        shape, form = hopper.program_shape("sparse_decode", h_q) if self.hopper else (tile, "")  # the programs to fill
+        keys = p.indices.shape[-1] + (0 if p.extra_indices is None else p.extra_indices.shape[-1])
+        self.num_splits = choose_num_splits(tokens * triton.cdiv(h_q, shape.block_h), triton.cdiv(keys, shape.block_n),
+                                            cores, shape.programs_per_core, p.batch_invariant)
+        split = self.num_splits > 1
         if self.hopper:
             self.launch = hopper.SparseDecodeLaunch(shape, tokens, h_q, d, _FMT_CODE[fmt], _FMT_CODE[x_fmt or fmt],
                                                     has_x, has_len, has_x_len, has_sink, split)
@@ -217,8 +232,6 @@ class SparseDecodePlan:
                                     tokens, h_q, 1)
         self.combine = Combine(self.num_splits) if split else None
         self.description = hopper.describe(reasons, "sparse", tile, self.num_splits, form)
-        self.read_q = _as_read(p.q, self._kernel_q)
-        self.read_idx, self.read_x_idx = _as_read(p.indices, _flat_indices), _as_read(p.extra_indices, _flat_indices)
 
     def _kernel_q(self, q: torch.Tensor) -> torch.Tensor:
         """q as the kernels read it: ``[tokens, h_q, d_qk]``, d_qk contiguous."""
@@ -231,6 +244,13 @@ class SparseDecodePlan:
         x_idx = None if p.extra_indices is None else self.read_x_idx(p.extra_indices)
         out = buffers.empty(b, s_q, h_q, p.d_v, dtype=p.q.dtype, device=p.q.device)
         lse = buffers.empty(b, s_q, h_q, dtype=torch.float32, device=p.q.device)
+        if self.as_prefill:
+            if self.tokens:
+                kv = p.k_cache.view(-1, 1, p.k_cache.shape[-1])  # blocks back to back: a slot is a row
+                max_logits = buffers.empty(self.tokens, h_q, dtype=torch.float32, device=p.q.device)
+                self.launch(self._kernel_q(q), kv, _flat_indices(idx), p.topk_length, p.attn_sink, p.sm_scale,
+                            out.view(self.tokens, h_q, p.d_v), lse.view(self.tokens, h_q), max_logits, s_q)
+            return out, lse
         ws = workspaces(self.num_splits, self.tokens, h_q, p.q.device)  # each call's own, as in dense decoding
         call = CallTensors(q, p.k_cache, idx, p.topk_length, p.extra_k_cache, x_idx, p.extra_topk_length, p.attn_sink,
                            out, lse, None)
