@@ -36,6 +36,15 @@ def _tensor_sig(t: Optional[torch.Tensor]):
     return (t.shape, t.dtype, t.device, t.stride()) if isinstance(t, _Tensor) else type(t)
 
 
+def _cache_sig(t: Optional[torch.Tensor]):
+    """A kv cache's part of a signature: as :func:`_tensor_sig`, and whether its address is 16-byte aligned,
+    which decides whether the Hopper kernels (16-byte copies, tensor-memory descriptors) can read it: a view
+    of the same shape and strides at another offset must get a plan of its own."""
+    if t is None:
+        return None
+    return (t.shape, t.dtype, t.device, t.stride(), t.data_ptr() % 16 == 0) if isinstance(t, _Tensor) else type(t)
+
+
 def _need_tensor(name: str, t, ndim: int, dims_doc: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor {dims_doc}, got {type(t).__name__}")
@@ -139,7 +148,7 @@ class SparsePrefill(_Problem):
     scale_name = "sm_scale"
 
     def signature(self) -> tuple:
-        return (self.op, _tensor_sig(self.q), _tensor_sig(self.kv), _tensor_sig(self.indices), self.d_v,
+        return (self.op, _tensor_sig(self.q), _cache_sig(self.kv), _tensor_sig(self.indices), self.d_v,
                 _tensor_sig(self.attn_sink), _tensor_sig(self.topk_length))
 
     def shape_key(self) -> str:
@@ -214,8 +223,8 @@ class SparseDecode(_Problem):
         return None if self.extra_k_cache is None else detect_format(self.extra_k_cache)
 
     def signature(self) -> tuple:
-        return (self.op, _tensor_sig(self.q), _tensor_sig(self.k_cache), _tensor_sig(self.indices), self.d_v,
-                _tensor_sig(self.attn_sink), _tensor_sig(self.topk_length), _tensor_sig(self.extra_k_cache),
+        return (self.op, _tensor_sig(self.q), _cache_sig(self.k_cache), _tensor_sig(self.indices), self.d_v,
+                _tensor_sig(self.attn_sink), _tensor_sig(self.topk_length), _cache_sig(self.extra_k_cache),
                 _tensor_sig(self.extra_indices), _tensor_sig(self.extra_topk_length), self.is_fp8_kvcache,
                 self.batch_invariant)
 
@@ -318,7 +327,7 @@ class DenseDecode(_Problem):
     op = "dense_decode"
 
     def signature(self) -> tuple:
-        return (self.op, _tensor_sig(self.q), _tensor_sig(self.k_cache), _tensor_sig(self.block_table),
+        return (self.op, _tensor_sig(self.q), _cache_sig(self.k_cache), _tensor_sig(self.block_table),
                 _tensor_sig(self.cache_seqlens), self.d_v, self.causal, _tensor_sig(self.attn_sink),
                 self.batch_invariant)
 

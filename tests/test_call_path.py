@@ -185,6 +185,31 @@ def test_direct_launches_keep_one_compiled_kernel_per_alignment(no_cached_decisi
     assert len(launcher._compiled) == 2
 
 
+def _shifted(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its strides, one element past a 16-byte boundary."""
+    out = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
+    out.copy_(t)
+    assert out.data_ptr() % 16 and out.stride() == t.stride()
+    return out
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_misaligned_cache_gets_a_plan_of_its_own(tier, device):
+    """A cache at an address that is not 16-byte aligned, of a signature planned for an aligned one, gets its own
+    decision (the Hopper kernels read caches with 16-byte copies and tensor-memory descriptors, which such an
+    address would break), and both calls, in either order, agree with the reference."""
+    calls = (
+        (anymla.flash_mla_sparse_fwd, prefill_inputs(3, 16, 512, 200, 64, seed=5, device=device), "kv", "sparse_prefill"),
+        (anymla.flash_mla_with_kvcache, dict(dense_decode_inputs(2, 1, 64, 1, 200, page=64, seed=6, device=device),
+                                            tile_scheduler_metadata=None), "k_cache", "dense_decode"),
+    )
+    for fn, args, cache, op in calls:
+        moved = dict(args, **{cache: _shifted(args[cache])})
+        assert anymla.explain(fn, **args, backend=tier) is not anymla.explain(fn, **moved, backend=tier)
+        for call in (args, moved, args):
+            compare_outputs(op, fn(**call, backend=tier), fn(**call, backend="reference"), scale=_scale(tier))
+
+
 def test_one_metadata_object_serves_block_tables_of_other_widths(device):
     """FlashMLA's configuration leaves the block table's width out, and the split count can depend on it: the
     workspaces a metadata object keeps must follow the split count of each call, not the first one's."""
