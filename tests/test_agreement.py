@@ -344,8 +344,9 @@ def test_warp_specialized_sparse_decode(backend, case, splits, tol_scale, device
     compare_outputs("sparse_decode", got, ref, scale=tol_scale)
 
 
-# bf16 caches: the Hopper prefill kernel over the cache's rows laid end to end (a slot is a row), every program
-# form (16, 32 and 64 heads), tails, lengths kept per request at s_q > 1, empty and invalid-only tokens
+# bf16 caches, read as one flat kv (a slot is a row): at most 32 heads the few-head decoding kernel, whose workers
+# gather the rows (every split count), more heads the prefill kernel (no split); tails, lengths kept per request at
+# s_q > 1, empty and invalid-only tokens, page 1, fp16
 WARP_SPECIALIZED_BF16_DECODE = [dict(fmt=F.BF16, h_q=h, s_k=s_k, topk=k, page=page, b=3, s_q=s_q, sink=extras,
                                      topk_length=extras)
                                 for h in (128, 64, 40, 32, 16, 5)
@@ -354,36 +355,54 @@ WARP_SPECIALIZED_BF16_DECODE = [dict(fmt=F.BF16, h_q=h, s_k=s_k, topk=k, page=pa
 WARP_SPECIALIZED_BF16_DECODE += [
     dict(fmt=F.BF16, h_q=16, s_k=300, topk=64, page=16, b=2, s_q=3, all_invalid=True, sink=True),
     dict(fmt=F.BF16, h_q=64, s_k=300, topk=128, page=16, b=6, s_q=1, zero_len_frac=0.5, sink=True),
+    dict(fmt=F.BF16, h_q=8, s_k=300, topk=128, page=16, b=6, s_q=1, zero_len_frac=0.5, sink=True),
     dict(fmt=F.BF16, h_q=128, s_k=300, topk=192, page=256, b=3, s_q=2, shuffle_invalid=True),  # leading -1
+    dict(fmt=F.BF16, h_q=24, s_k=300, topk=192, page=256, b=3, s_q=2, shuffle_invalid=True),
     dict(fmt=F.BF16, h_q=8, s_k=200, topk=128, page=1, b=2, s_q=2, topk_length=True),
+    dict(fmt=F.BF16, h_q=16, s_k=600, topk=256, page=64, b=3, s_q=2, topk_length=True, fp16=True),
+    dict(fmt=F.BF16, h_q=64, s_k=600, topk=256, page=64, b=3, s_q=2, topk_length=True, fp16=True),
 ]
 
 
-@pytest.mark.parametrize("case", WARP_SPECIALIZED_BF16_DECODE, ids=_decode_id)
-def test_warp_specialized_bf16_sparse_decode(backend, case, tol_scale, device):
-    tuning = _warp_specialized_only(backend, device)
+def _bf16_decode_args(case, device):
     c = dict(case)
+    fp16 = c.pop("fp16", False)
     args = sparse_decode_inputs(c.pop("b"), c.pop("s_q"), c.pop("h_q"), c.pop("s_k"), c.pop("topk"), device=device,
                                 seed=zlib.crc32(_decode_id(case).encode()), **c)
-    with tuning.forced(warp_specialized=True):
-        assert "sparse prefill kernel over the cache's rows" in anymla.explain(
-            "flash_mla_with_kvcache", **args, tile_scheduler_metadata=None, backend=backend).kernel
+    if fp16:  # bf16 values are exact in fp16 at these magnitudes; the NaN rows stay NaN
+        args.update(q=args["q"].half(), k_cache=args["k_cache"].half())
+    return args
+
+
+@pytest.mark.parametrize("splits", (None, 3, 16), ids=lambda n: f"splits{n}")
+@pytest.mark.parametrize("case", WARP_SPECIALIZED_BF16_DECODE, ids=_decode_id)
+def test_warp_specialized_bf16_sparse_decode(backend, case, splits, tol_scale, device):
+    tuning = _warp_specialized_only(backend, device)
+    if splits and case["h_q"] > 32:
+        pytest.skip("more than 32 heads run on the prefill kernel, which does not split the keys")
+    args = _bf16_decode_args(case, device)
+    with tuning.forced(num_splits=splits, warp_specialized=True):
+        kernel = anymla.explain("flash_mla_with_kvcache", **args, tile_scheduler_metadata=None, backend=backend).kernel
+        form = "sparse prefill kernel over the cache's rows" if case["h_q"] > 32 else "few-head form"
+        assert form in kernel and (not splits or f"{splits} splits" in kernel), kernel
         got, ref = _decode_pair(args, backend)
     compare_outputs("sparse_decode", got, ref, scale=tol_scale)
 
 
 def test_bf16_sparse_decode_dispatch(backend, tol_scale, device):
-    """Unforced, the prefill kernel takes a bf16 sparse decoding call whose tokens fill the GPU without a split,
-    and not one that needs splits (a few tokens), nor a cache whose blocks do not lie back to back."""
+    """Unforced: at most 32 heads the few-head decoding kernel takes bf16 sparse decoding, with splits where the
+    tokens are few; at 64 heads the prefill kernel takes a call whose tokens fill the GPU without a split, and
+    the portable kernel one that needs splits; a cache whose blocks do not lie back to back is the portable
+    kernel's."""
     _warp_specialized_only(backend, device)
     cores = torch.cuda.get_device_properties(device).multi_processor_count
-    filling = sparse_decode_inputs(cores // 2 + 1, 1, 16, 600, 256, fmt=F.BF16, topk_length=True, sink=True,
-                                   device=device, seed=21)
-    few = sparse_decode_inputs(4, 1, 16, 600, 256, fmt=F.BF16, device=device, seed=22)
-    padded = sparse_decode_inputs(cores, 1, 16, 600, 256, fmt=F.BF16, block_pad=2, device=device, seed=23)
-    for args, through_prefill in ((filling, True), (few, False), (padded, False)):
+    cases = ((cores // 2 + 1, 64, {}, "sparse prefill kernel over the cache's rows"), (4, 64, {}, "portable"),
+             (4, 16, {}, "few-head form"), (cores, 16, {}, "few-head form"), (cores, 16, dict(block_pad=2), "portable"))
+    for b, h_q, extra, kernel_named in cases:
+        args = sparse_decode_inputs(b, 1, h_q, 600, 256, fmt=F.BF16, topk_length=True, sink=True, device=device,
+                                    seed=b + h_q, **extra)
         kernel = anymla.explain("flash_mla_with_kvcache", **args, tile_scheduler_metadata=None, backend=backend).kernel
-        assert ("sparse prefill kernel over the cache's rows" in kernel) is through_prefill, kernel
+        assert kernel_named in kernel, (b, h_q, extra, kernel)
         got, ref = _decode_pair(args, backend)
         compare_outputs("sparse_decode", got, ref, scale=tol_scale)
 

@@ -249,6 +249,11 @@ def hopper_reports() -> list:
              for label, d, fmt, x_fmt, has_x in (("v32", 576, 1, 1, False), ("v41+fp4", 512, 3, 4, True),
                                                  ("model1+x", 512, 2, 2, True))
              for heads in (16, 32)]
+    # bf16 caches: the few-head form's workers gather rows by 16-byte copies, no conversion
+    bf16_decode_ptrs = {**decode_ptrs, "kv_ptr": "*bf16", "x_kv_ptr": "*bf16"}
+    jobs += [(f"hopper few-head bf16 decode h{heads}", few, bf16_decode_ptrs,
+              {**decode, **dict(D_QK=576, FMT=0, X_FMT=0, HAS_X=False, HAS_LEN=True, HAS_X_LEN=False, HEADS=heads)})
+             for heads in (16, 32)]
     jobs += [(f"hopper few-head prefill d{d} h{heads}", kernels.sparse_prefill_hopper_kernel, {**ints, **bf16},
               dict(D_QK=d, HAS_LEN=True, HAS_SINK=True, BLOCK_N=tile.block_n, NUM_STAGES=2, HEADS=heads,
                    K_LAYOUT=_shared_layout([tile.block_n, 512], rows.dtype),

@@ -111,38 +111,49 @@ def sparse_decode_reasons(p, tile: TileConfig) -> list[str]:
     return reasons
 
 
+def bf16_decode_through_prefill(h_q: int) -> bool:
+    """Whether a bf16/fp16 sparse decoding call's Hopper kernel is the prefill kernel (64-head programs: the
+    decoding kernel's 64-head form dequantizes) rather than the decoding kernel's few-head form."""
+    return hopper_program_heads("sparse_decode", h_q)[0] == 64
+
+
 def bf16_decode_reasons(p, tile: TileConfig, cores: int) -> list[str]:
-    """Why the Hopper prefill kernel does not serve this sparse decoding call over a bf16/fp16 cache (empty: it
-    does). A paged cache whose blocks lie back to back is a prefill's kv of ``num_blocks x page`` rows, a slot
-    being its row, and the call's ``b x s_q`` tokens are the prefill's queries (invalid slots are skipped and
-    empty tokens give out 0, lse +inf alike), so the prefill kernel serves it as it is. It runs one program a
-    token and head block over the token's whole top-k, with no split along the keys: it takes a call where the
-    decoding kernels would not split either (``cores`` multiprocessors, one program each), and any call when
-    forced."""
-    reasons = _device_reasons(p.device, tile, "sparse_prefill")
+    """Why no Hopper kernel serves this sparse decoding call over a bf16/fp16 cache (empty: one does, which
+    :func:`bf16_decode_through_prefill` tells). Both read the cache as one flat kv of ``num_blocks x page``
+    rows, a slot being its row, by 16-byte copies, so its blocks must lie back to back. At most 32 heads: the
+    decoding kernel's few-head form, whose workers gather the rows as prefill's do (no conversion), with its
+    usual splits. More: the prefill kernel, the call's ``b x s_q`` tokens as its queries (invalid slots are
+    skipped and empty tokens give out 0, lse +inf alike); it has no split along the keys, so it takes a call
+    where the decoding kernels would not split either (``cores`` multiprocessors, one program each), and any
+    call when forced."""
+    b, s_q, h_q, _ = p.q.shape
+    through_prefill = bf16_decode_through_prefill(h_q)
+    reasons = _device_reasons(p.device, tile, "sparse_prefill" if through_prefill else "sparse_decode")
     if reasons:
         return reasons
     kv = p.k_cache
     num_blocks, page, h_kv, _ = kv.shape
     if p.extra_k_cache is not None:
-        reasons.append("an extra cache: the prefill kernel gathers from one kv")
+        reasons.append("an extra cache: they gather bf16 rows from one cache")
     reasons += _value_reasons(p.q, kv, h_kv)
     if kv.stride(0) != page * kv.stride(1) or num_blocks * page >= 2 ** 31 or kv.stride(1) * kv.element_size() % 16:
         reasons.append("cache blocks not packed (block stride > page x row), over 2^31 rows, or rows not 16-byte "
                        "aligned")
     if num_blocks * page == 0 or p.indices.shape[-1] == 0:
         reasons.append("no row to attend (an empty cache or a top-k of 0)")
+    if not through_prefill:
+        return reasons
     splits = forced_splits()
     if splits not in (None, 1):
-        reasons.append(f"{splits} splits forced: the prefill kernel does not split the keys")
+        reasons.append(f"{splits} splits forced: the prefill kernel, which takes bf16 decoding at {h_q} heads, "
+                       "does not split the keys")
     elif splits is None and not forced_warp_specialized():
-        b, s_q, h_q, _ = p.q.shape
         programs = b * s_q * triton.cdiv(h_q, hopper_program_heads("sparse_prefill", h_q)[0])
         wanted = choose_num_splits(programs, triton.cdiv(p.indices.shape[-1], tile.block_n), cores, 1,
                                    p.batch_invariant)
         if wanted > 1:
             reasons.append(f"{programs} programs of one token each leave most of {cores} multiprocessors idle: "
-                           f"the decoding kernels split the keys ({wanted} splits) to fill them")
+                           f"the portable kernel splits the keys ({wanted} splits) to fill them")
     return reasons
 
 
@@ -241,19 +252,19 @@ def program_shape(op: str, h_q: int) -> tuple[TileConfig, str]:
 
 
 class SparseDecodeLaunch:
-    """The Hopper sparse decoding kernel's launch for one plan: ``q [tokens, h_q, d_qk]`` over the slots of a
-    quantized cache and, if given, those of an extra cache (``sparse_mla.launch.Source``: bytes, paging,
+    """The Hopper sparse decoding kernel's launch for one plan: ``q [tokens, h_q, d_qk]`` (``dtype``) over the
+    slots of a quantized cache (or, in the few-head form, a bf16/fp16 one) and, if given, those of an extra cache (``sparse_mla.launch.Source``: bytes, paging,
     indices, lengths indexed by ``token // len_div``); out ``[tokens, h_q, 512]`` and lse ``[tokens, h_q]``,
     or the split workspaces. ``tile.block_h``: heads a program (``program_shape``)."""
 
     def __init__(self, tile: TileConfig, tokens: int, h_q: int, d: int, main_code: int, x_code: int, has_x: bool,
-                 has_len: bool, has_x_len: bool, has_sink: bool, split: bool):
+                 has_len: bool, has_x_len: bool, has_sink: bool, split: bool, dtype: torch.dtype):
         from .kernels import REGS, sparse_decode_hopper_kernel
         self.hb = triton.cdiv(h_q, tile.block_h)
         self.grid_rows = tokens * self.hb
         self.constexprs = [d, main_code, x_code, has_x, has_len, has_x_len, has_sink, split, tile.block_n,
-                           _shared_layout([tile.block_n, 512], torch.bfloat16),
-                           _shared_layout([tile.block_n, 64], torch.bfloat16), tile.block_h]
+                           _shared_layout([tile.block_n, 512], dtype), _shared_layout([tile.block_n, 64], dtype),
+                           tile.block_h]
         self.launcher = Launcher(sparse_decode_hopper_kernel, num_warps=4, maxnreg=REGS.value)
 
     def __call__(self, call, typed, len_div: int, sm_scale: float, num_splits: int, ws) -> None:

@@ -200,12 +200,12 @@ class SparseDecodePlan:
         self.fmt, self.x_fmt = fmt, x_fmt = p.fmt, p.extra_fmt
         tile = sparse_config(runtime.device_kind(p.device), h_q, fmt.is_quantized, fmt.name)
         cores = runtime.num_cores(p.device)
-        # bf16 caches: the Hopper prefill kernel over the cache's rows (the Hopper decoding kernel dequantizes)
-        self.as_prefill = fmt is KVCacheFormat.BF16
-        reasons = hopper.bf16_decode_reasons(p, tile, cores) if self.as_prefill else \
-            hopper.sparse_decode_reasons(p, tile)
+        # bf16 caches: the few-head form of the Hopper decoding kernel gathers their rows; at more heads the
+        # Hopper prefill kernel serves them (the decoding kernel's 64-head form dequantizes)
+        bf16 = fmt is KVCacheFormat.BF16
+        reasons = hopper.bf16_decode_reasons(p, tile, cores) if bf16 else hopper.sparse_decode_reasons(p, tile)
         self.hopper = hopper.use(reasons)
-        self.as_prefill &= self.hopper
+        self.as_prefill = bf16 and self.hopper and hopper.bf16_decode_through_prefill(h_q)
         has_x = p.extra_k_cache is not None
         has_len, has_x_len, has_sink = p.topk_length is not None, p.extra_topk_length is not None, \
             p.attn_sink is not None
@@ -226,7 +226,7 @@ class SparseDecodePlan:
         split = self.num_splits > 1
         if self.hopper:
             self.launch = hopper.SparseDecodeLaunch(shape, tokens, h_q, d, _FMT_CODE[fmt], _FMT_CODE[x_fmt or fmt],
-                                                    has_x, has_len, has_x_len, has_sink, split)
+                                                    has_x, has_len, has_x_len, has_sink, split, p.q.dtype)
         else:
             self.launch = _Portable(p.device, tile, d, fmt, x_fmt, has_len, has_x_len, has_sink, False, split,
                                     tokens, h_q, 1)
