@@ -117,6 +117,42 @@ def test_hopper_kernels_state_why_they_do_not_take_a_call(monkeypatch):
     assert launch.describe([], "dense decode", tile, 1).startswith("the warp-specialized Hopper kernel")
 
 
+def _bf16_decode_problem(b, h_q, **kw):
+    from anymla.kvcache import KVCacheFormat
+    from anymla.problems import decode_problem
+    from anymla.testing import sparse_decode_inputs
+    a = sparse_decode_inputs(b, 1, h_q, 1100, 1024, fmt=KVCacheFormat.BF16, page=16, poison=False, **kw)
+    return decode_problem(a["q"], a["k_cache"], None, None, 512, None, False, False, a["indices"], None,
+                          a.get("extra_k_cache"), a.get("extra_indices_in_kvcache"), None, None, False, None)
+
+
+def test_bf16_sparse_decoding_picks_its_hopper_kernel(monkeypatch):
+    """On an sm_90 GPU (patched in here): at most 32 heads the few-head decoding kernel takes any bf16 call whose
+    cache blocks lie back to back, whatever its split count; more heads go to the prefill kernel only where the
+    decoding kernels would not split (132 multiprocessors, 16 key blocks: more than 66 programs) or when forced,
+    never with forced splits; an extra cache or non-packed blocks keep the portable kernel."""
+    from anymla.kvcache import KVCacheFormat
+    from anymla.triton_kernels import runtime, tuning
+    from anymla.triton_kernels.hopper import launch
+    monkeypatch.setattr(runtime, "device_kind", lambda device: "cuda_sm90")
+    monkeypatch.setattr(runtime, "gluon_hopper", lambda: True)
+    tile, cores = tuning.TileConfig(64, 64, 8, 1), 132
+    assert not launch.bf16_decode_through_prefill(16) and not launch.bf16_decode_through_prefill(32)
+    assert launch.bf16_decode_through_prefill(40) and launch.bf16_decode_through_prefill(128)
+    assert launch.bf16_decode_reasons(_bf16_decode_problem(4, 16), tile, cores) == []
+    assert launch.bf16_decode_reasons(_bf16_decode_problem(67, 64), tile, cores) == []
+    assert "the portable kernel splits the keys" in launch.bf16_decode_reasons(_bf16_decode_problem(66, 64), tile,
+                                                                               cores)[0]
+    with tuning.forced(warp_specialized=True):
+        assert launch.bf16_decode_reasons(_bf16_decode_problem(4, 64), tile, cores) == []
+    with tuning.forced(num_splits=3):
+        assert "splits forced" in launch.bf16_decode_reasons(_bf16_decode_problem(67, 64), tile, cores)[0]
+        assert launch.bf16_decode_reasons(_bf16_decode_problem(4, 16), tile, cores) == []
+    assert "not packed" in launch.bf16_decode_reasons(_bf16_decode_problem(4, 16, block_pad=1), tile, cores)[0]
+    extra = dict(fmt=KVCacheFormat.BF16, page=16, s_k=100, topk=64)
+    assert "an extra cache" in launch.bf16_decode_reasons(_bf16_decode_problem(4, 16, extra=extra), tile, cores)[0]
+
+
 def test_compile_report_reads_prefetch_depth_per_loop():
     from anymla.triton_kernels.compile_report import _prefetch_groups
     loop = "scf.for %i {{\n  %t = ttg.async_wait %a {{num = {} : i32}}\n  scf.yield %x\n}}\n"
