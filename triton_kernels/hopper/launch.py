@@ -1,8 +1,9 @@
 """Host side of the Hopper kernels: whether a call fits them, and their launches.
 
-They serve sm_90 GPUs with Triton 3.6 or 3.7 (Gluon), for 64-row tiles (the compute-bound regime), one kv head
-and 16-bit values (sparse decoding: V3.2, V4.1 and MODEL1 quantized caches); everything else keeps the portable
-kernels. ``tuning.forced(warp_specialized=...)`` turns them off or insists on them (an error when the call does
+They serve sm_90 GPUs with Triton 3.6 or 3.7 (Gluon), for 64-row tiles (the compute-bound regime) and their
+few-head forms (16 or 32 heads a program: tensor-parallel head counts), one kv head and 16-bit values (sparse
+decoding: V3.2, V4.1 and MODEL1 quantized caches, and bf16/fp16 caches whose blocks lie back to back); everything
+else keeps the portable kernels. ``tuning.forced(warp_specialized=...)`` turns them off or insists on them (an error when the call does
 not fit).
 """
 
@@ -149,11 +150,10 @@ def bf16_decode_reasons(p, tile: TileConfig, cores: int) -> list[str]:
                        "does not split the keys")
     elif splits is None and not forced_warp_specialized():
         programs = b * s_q * triton.cdiv(h_q, hopper_program_heads("sparse_prefill", h_q)[0])
-        wanted = choose_num_splits(programs, triton.cdiv(p.indices.shape[-1], tile.block_n), cores, 1,
-                                   p.batch_invariant)
-        if wanted > 1:
+        if choose_num_splits(programs, triton.cdiv(p.indices.shape[-1], tile.block_n), cores, 1,
+                             p.batch_invariant) > 1:
             reasons.append(f"{programs} programs of one token each leave most of {cores} multiprocessors idle: "
-                           f"the portable kernel splits the keys ({wanted} splits) to fill them")
+                           "the portable kernel splits the keys to fill them")
     return reasons
 
 
@@ -253,9 +253,10 @@ def program_shape(op: str, h_q: int) -> tuple[TileConfig, str]:
 
 class SparseDecodeLaunch:
     """The Hopper sparse decoding kernel's launch for one plan: ``q [tokens, h_q, d_qk]`` (``dtype``) over the
-    slots of a quantized cache (or, in the few-head form, a bf16/fp16 one) and, if given, those of an extra cache (``sparse_mla.launch.Source``: bytes, paging,
-    indices, lengths indexed by ``token // len_div``); out ``[tokens, h_q, 512]`` and lse ``[tokens, h_q]``,
-    or the split workspaces. ``tile.block_h``: heads a program (``program_shape``)."""
+    slots of a quantized cache (or, in the few-head form, a bf16/fp16 one) and, if given, those of an extra cache
+    (``sparse_mla.launch.Source``: bytes, paging, indices, lengths indexed by ``token // len_div``); out
+    ``[tokens, h_q, 512]`` and lse ``[tokens, h_q]``, or the split workspaces. ``tile.block_h``: heads a program
+    (``program_shape``)."""
 
     def __init__(self, tile: TileConfig, tokens: int, h_q: int, d: int, main_code: int, x_code: int, has_x: bool,
                  has_len: bool, has_x_len: bool, has_sink: bool, split: bool, dtype: torch.dtype):
