@@ -122,13 +122,13 @@ def _value(raw: bytes):
 def _sparse_decode_args(fmt=kvcache.KVCacheFormat.V32_FP8, h=16, topk=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     b, s_q, nb, page = 2, 1, 8, 64
-    d = 576 if fmt is kvcache.KVCacheFormat.V32_FP8 else 512
+    d = fmt.spec.d_qk
     kv = torch.randn(nb, page, 1, d, generator=g).to(torch.bfloat16)
-    cache = kvcache.quantize(kv, fmt)
+    cache = kv if fmt is kvcache.KVCacheFormat.BF16 else kvcache.quantize(kv, fmt)
     q = torch.randn(b, s_q, h, d, generator=g).to(torch.bfloat16)
     idx = torch.randint(0, nb * page, (b, s_q, topk), generator=g, dtype=torch.int32)
-    return (q, cache, None, None, 512, anymla.get_mla_metadata()[0]), dict(softmax_scale=0.07, is_fp8_kvcache=True,
-                                                                        indices=idx)
+    return (q, cache, None, None, 512, anymla.get_mla_metadata()[0]), dict(softmax_scale=0.07, indices=idx,
+                                                                        is_fp8_kvcache=fmt.is_quantized)
 
 
 def _dense_decode_args(seed=0, h=16):
@@ -159,6 +159,12 @@ CALLS = {
     "sparse decode MODEL1 h64": (anymla.flash_mla_with_kvcache, functools.partial(
         _sparse_decode_args, kvcache.KVCacheFormat.MODEL1_FP8, 64), {}),
     "sparse prefill": (anymla.flash_mla_sparse_fwd, _prefill_args, {}),
+    # on Hopper bf16 caches: the few-head decoding kernel (split), and at 64 heads the prefill kernel (one key
+    # block: no split)
+    "sparse decode bf16 h16, 2 splits": (anymla.flash_mla_with_kvcache, functools.partial(
+        _sparse_decode_args, kvcache.KVCacheFormat.BF16, 16), dict(num_splits=2)),
+    "sparse decode bf16 h64": (anymla.flash_mla_with_kvcache, functools.partial(
+        _sparse_decode_args, kvcache.KVCacheFormat.BF16, 64), {}),
 }
 
 
