@@ -4,7 +4,9 @@ Three measurements:
 
 - ``dispatch``: the public function, the problem record, the signature, the decision-cache lookup and the
   backend call, with a backend that returns preallocated outputs (no launch; the meta device): what every
-  call pays on the CPU before its kernels.
+  call pays on the CPU, AMD GPUs and NPUs before its kernels (the Python path). On an NVIDIA GPU also the
+  compiled call path's share of a repeated call (its key, the entry lookup and the entry's call of the probe's
+  own form, which returns the outputs): what a call pays there before its launches.
 - ``host`` (CUDA): the whole eager path of real calls on the GPU, launches included: host µs to enqueue one
   call (the device drained before each sample) and wall µs per call back to back (a decode loop without CUDA
   graphs), for anymla (through the compiled call path, as users get it) and, where ``flash_mla`` imports,
@@ -53,6 +55,10 @@ class _Preallocated(Backend):
     def run(self, problem, plan=None):
         return self.outputs[problem.op]
 
+    def entry(self, problem, plan):
+        outputs = self.outputs[problem.op]
+        return lambda *_: outputs
+
 
 def _per_call_us(fn, n: int = 4000, blocks: int = 5) -> float:
     """µs per call of ``fn``: the best of ``blocks`` means of ``n`` calls each (as ``timeit`` advises: what
@@ -69,9 +75,10 @@ def _per_call_us(fn, n: int = 4000, blocks: int = 5) -> float:
     return best / n * 1e6
 
 
-def dispatch() -> dict:
-    """µs per call through the dispatcher alone (no kernel), V3.2 sparse decode and dense decode."""
-    dev = "meta"
+def dispatch(dev: str = "meta") -> dict:
+    """µs per call through the dispatcher alone (no kernel), V3.2 sparse decode and dense decode, on ``dev``:
+    the Python path on the meta device; on an NVIDIA GPU the compiled call path (the calls' entries made by
+    the first call)."""
     b, s_q, h_q = 128, 2, 128
     q = torch.empty(b, s_q, h_q, 576, dtype=torch.bfloat16, device=dev)
     cache = torch.empty(b * 512, 64, 1, 656, dtype=torch.uint8, device=dev)
@@ -95,6 +102,13 @@ def dispatch() -> dict:
     finally:
         anymla.unregister_backend(probe.name)
     return {"sparse_decode_us": sparse, "dense_decode_us": dense}
+
+
+def _dispatch_rows(path: str, r: dict) -> list[dict]:
+    print(f"dispatch, {path}: one call through the dispatcher without a kernel, torch {torch.__version__}: "
+          f"sparse decode {r['sparse_decode_us']:.1f} µs, dense decode {r['dense_decode_us']:.1f} µs", flush=True)
+    return [dict(part="dispatch", case=f"sparse decode ({path})", who="anymla", host_us=r["sparse_decode_us"]),
+            dict(part="dispatch", case=f"dense decode ({path})", who="anymla", host_us=r["dense_decode_us"])]
 
 
 # The calls of the host-cost table (issue 16): (name, op, builder of the keyword arguments).
@@ -608,14 +622,12 @@ def main() -> None:
     parts.add_argument("--no-cold", action="store_true", help="leave out the cold-start measurement")
     parts.add_argument("--cold-only", action="store_true", help="the cold-start measurement only")
     args = ap.parse_args()
-    r = dispatch()
-    print(f"dispatch: one call through the dispatcher without a kernel, torch {torch.__version__}: "
-          f"sparse decode {r['sparse_decode_us']:.1f} µs, dense decode {r['dense_decode_us']:.1f} µs", flush=True)
-    rows = [dict(part="dispatch", case="sparse decode (meta)", who="anymla", host_us=r["sparse_decode_us"]),
-            dict(part="dispatch", case="dense decode (meta)", who="anymla", host_us=r["dense_decode_us"])]
+    rows = _dispatch_rows("Python path, meta", dispatch())
     if torch.cuda.is_available():
         device = torch.device("cuda")
         print(callpath.prepare(device), flush=True)
+        if callpath.recordable_on(device) and not callpath.native.reason():
+            rows += _dispatch_rows("compiled call path, cuda", dispatch("cuda"))
         if not args.no_cold:
             rows += cold(device)  # first: a new process whose kernels are not compiled yet
         if not args.cold_only:
