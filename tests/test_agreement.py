@@ -20,6 +20,7 @@ from anymla.testing import compare_outputs, dense_decode_inputs, device_under_te
 DEVICE = device_under_test()
 # FlashMLA's full grids on an accelerator; interpreter-sized subsets on the CPU (or ANYMLA_TEST_GRID=small).
 ON_GPU = DEVICE.type != "cpu" and os.environ.get("ANYMLA_TEST_GRID", "full") == "full"
+ON_ACCELERATOR = DEVICE.type != "cpu"  # shapes sized for a device, whatever the grid
 
 
 def _decode_pair(args, backend):
@@ -96,7 +97,7 @@ def test_sparse_prefill_k_amplifier(backend, d_qk, h_q, tol_scale, device):
                     anymla.flash_mla_sparse_fwd(**args, backend="reference"), amplified=True, scale=tol_scale)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="70000 query tokens take hours in the interpreter; run on a GPU")
+@pytest.mark.skipif(not ON_ACCELERATOR, reason="70000 query tokens take hours in the interpreter; run on a GPU")
 def test_sparse_prefill_large_grid(backend, device):
     """s_q = 70000 overflows a 65535 grid dimension if tokens were mapped to one; it must simply run."""
     args = prefill_inputs(70000, 64, 512, 256, 64, device=device, seed=8, poison=False)
@@ -183,7 +184,7 @@ def test_dense_decode(backend, case, tol_scale, device):
     compare_outputs("dense_decode", got, ref, scale=tol_scale)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="FlashMLA's corner shape (b 128, s_k 4096) is sized for a GPU")
+@pytest.mark.skipif(not ON_ACCELERATOR, reason="FlashMLA's corner shape (b 128, s_k 4096) is sized for a GPU")
 def test_dense_decode_corner(backend, device):
     args = dense_decode_inputs(128, 2, 128, 1, 4096, varlen=True, zero_len_frac=0.5, causal=True, device=device)
     got, ref = _decode_pair(args, backend)
@@ -374,12 +375,16 @@ def _bf16_decode_args(case, device):
     return args
 
 
-@pytest.mark.parametrize("splits", (None, 3, 16), ids=lambda n: f"splits{n}")
-@pytest.mark.parametrize("case", WARP_SPECIALIZED_BF16_DECODE, ids=_decode_id)
+# every case unsplit; the few-head ones (<= 32 heads) also at forced split counts: more heads run on the prefill
+# kernel, which has no split (forcing one raises: test_bf16_sparse_decode_forced_split_over_32_heads_raises)
+_BF16_DECODE_RUNS = [(case, splits) for case in WARP_SPECIALIZED_BF16_DECODE
+                     for splits in ((None, 3, 16) if case["h_q"] <= 32 else (None,))]
+
+
+@pytest.mark.parametrize("case,splits", _BF16_DECODE_RUNS,
+                         ids=[f"{_decode_id(c)}-splits{n}" for c, n in _BF16_DECODE_RUNS])
 def test_warp_specialized_bf16_sparse_decode(backend, case, splits, tol_scale, device):
     tuning = _warp_specialized_only(backend, device)
-    if splits and case["h_q"] > 32:
-        pytest.skip("more than 32 heads run on the prefill kernel, which does not split the keys")
     args = _bf16_decode_args(case, device)
     with tuning.forced(num_splits=splits, warp_specialized=True):
         kernel = anymla.explain("flash_mla_with_kvcache", **args, tile_scheduler_metadata=None, backend=backend).kernel
@@ -387,6 +392,16 @@ def test_warp_specialized_bf16_sparse_decode(backend, case, splits, tol_scale, d
         assert form in kernel and (not splits or f"{splits} splits" in kernel), kernel
         got, ref = _decode_pair(args, backend)
     compare_outputs("sparse_decode", got, ref, scale=tol_scale)
+
+
+def test_bf16_sparse_decode_forced_split_over_32_heads_raises(backend, device):
+    """More than 32 heads of bf16 decoding run on the prefill kernel, which has no split: forcing splits with the
+    Hopper kernels forced is refused with that reason, not run some other way."""
+    tuning = _warp_specialized_only(backend, device)
+    args = _bf16_decode_args(WARP_SPECIALIZED_BF16_DECODE[0] | dict(h_q=64), device)
+    with tuning.forced(num_splits=3, warp_specialized=True), \
+            pytest.raises(ValueError, match="3 splits forced: the prefill kernel.*does not split the keys"):
+        anymla.flash_mla_with_kvcache(**args, tile_scheduler_metadata=None, backend=backend)
 
 
 def test_bf16_sparse_decode_dispatch(backend, tol_scale, device):
