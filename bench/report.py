@@ -17,7 +17,7 @@ from .runner import OK, CaseOutcome
 TRITON_TIER = "triton"
 COLUMNS = ("timestamp", "device", "device_name", "torch", "triton", "anymla", "stand_in", "suite", "case", "op",
            "shape", "backend", "status", "note", "timer", "median_us", "p20_us", "p80_us", "reps", "eager_us",
-           "host_us", "host_first_us", "flops", "bytes",
+           "host_us", "host_first_us", "host_all_us", "flops", "bytes",
            "tflops", "gbps", "floor_us", "bound", "frac_of_floor", "copy_gbps", "matmul_tflops", "ratio_to_matmul",
            "ratio_to_copy", "dispatcher_choice", "fastest", "anchor_flashmla_us", "anchor_triton",
            "anchor_triton_us")
@@ -54,7 +54,7 @@ def csv_rows(outcomes: list[CaseOutcome], info: RunInfo, ceilings: Ceilings) -> 
                 t = r.timing
                 row.update(timer=t.timer, median_us=t.median_us, p20_us=t.p20_us, p80_us=t.p80_us, reps=t.reps,
                            eager_us=_maybe(t.eager_us), host_us=_maybe(t.host_us),
-                           host_first_us=_maybe(t.host_first_us))
+                           host_first_us=_maybe(t.host_first_us), host_all_us=_maybe(t.host_all_us))
                 row.update(dataclasses.asdict(model.rates(o.cost, t.median_us, ceilings)))
             if anchor is not None:
                 row.update(anchor_flashmla_us=anchor.flashmla_us, anchor_triton=anchor.triton_name,
@@ -164,8 +164,9 @@ def header_lines(info: RunInfo, ceilings: Ceilings) -> list[str]:
              f"anymla {info.anymla}; {info.timestamp}",
              f"ceilings measured in this run (the better of its start and end): {ceilings.describe()}",
              "GPU µs: CUDA-graph replay (calls under 1 ms) or device events, L2 flushed; eager µs: wall time per call "
-             "of back-to-back eager calls; host µs: enqueueing one call with the GPU kept busy (the CSV's "
-             "host_first_us: the first call after a synchronization)",
+             "of back-to-back eager calls; host µs: enqueueing one call with the GPU kept busy, the lowest of five "
+             "rounds' medians (the CSV's host_all_us: the median over every round; host_first_us: the first call "
+             "after a synchronization)",
              "% floor = floor time / GPU time, floor = max(bytes / copy rate, FLOPs / matmul rate); x ceiling: "
              "against the ceiling that binds"]
     if info.interpreter:
