@@ -619,3 +619,15 @@ def test_a_layer_step_through_the_compiled_path_gives_its_python_paths_output(na
         assert native.module().hits() == hits + 1, callpath.refusals()
     torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
     assert torch.equal(cache, written)
+
+
+def test_the_overhead_benchs_compiled_dispatch_probe_runs_on_entries(compiled_path):
+    """``bench.overhead.dispatch`` on a device whose calls have entries times the compiled call path (its probe
+    backend's own form of the calls), not the Python path: every timed call after the first of each op hits."""
+    from anymla.bench import overhead
+    hits = native.module().hits()
+    made = selection.decisions_made()
+    r = overhead.dispatch("cpu")
+    assert r["sparse_decode_us"] > 0 and r["dense_decode_us"] > 0
+    assert selection.decisions_made() == made + 2  # one decision an op: the first call of each
+    assert native.module().hits() - hits >= 2 * (200 + 5 * 4000 - 1), callpath.refusals()
