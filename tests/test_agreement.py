@@ -250,7 +250,7 @@ def test_warp_specialized_sparse_prefill(backend, case, tol_scale, device):
     tuning = _warp_specialized_only(backend, device)
     args = _prefill_args(case, device)
     # at most 32 heads: the few-head form, forced whatever the tile table picks
-    heads = 16 if case["h_q"] <= 16 else 32 if case["h_q"] <= 32 else 64
+    heads = next(h for h in (8, 16, 32, 64) if case["h_q"] <= h or h == 64)
     with tuning.forced(tuning.TileConfig(heads, 64, 12, 2, False), warp_specialized=True):
         got = anymla.flash_mla_sparse_fwd(**args, backend=backend)
     compare_outputs("sparse_prefill", got, anymla.flash_mla_sparse_fwd(**args, backend="reference"),

@@ -248,23 +248,24 @@ def hopper_reports() -> list:
                                 HEADS=heads), **(unsplit if label == "v32" else {})})
              for label, d, fmt, x_fmt, has_x in (("v32", 576, 1, 1, False), ("v41+fp4", 512, 3, 4, True),
                                                  ("model1+x", 512, 2, 2, True))
-             for heads in (16, 32)]
+             for heads in (8, 16, 32)]
     # bf16 caches: the few-head form's workers gather rows by 16-byte copies, no conversion
     bf16_decode_ptrs = {**decode_ptrs, "kv_ptr": "*bf16", "x_kv_ptr": "*bf16"}
     jobs += [(f"hopper few-head bf16 decode h{heads}", few, bf16_decode_ptrs,
               {**decode, **dict(D_QK=576, FMT=0, X_FMT=0, HAS_X=False, HAS_LEN=True, HAS_X_LEN=False, HEADS=heads)})
-             for heads in (16, 32)]
+             for heads in (8, 16, 32)]
     jobs += [(f"hopper few-head prefill d{d} h{heads}", kernels.sparse_prefill_hopper_kernel, {**ints, **bf16},
               dict(D_QK=d, HAS_LEN=True, HAS_SINK=True, BLOCK_N=tile.block_n, NUM_STAGES=2, HEADS=heads,
                    K_LAYOUT=_shared_layout([tile.block_n, 512], rows.dtype),
-                   R_LAYOUT=_shared_layout([tile.block_n, 64], rows.dtype))) for d, heads in ((576, 16), (512, 32))]
+                   R_LAYOUT=_shared_layout([tile.block_n, 64], rows.dtype))) for d, heads in ((576, 16), (512, 32), (576, 8), (512, 8))]
     # Spills allowed: a few bytes, except in the V4.1 + FP4 decoding kernel, whose FP4 loop spills ~0.6-0.8 KB
     # and still beat the portable kernel on the H200 (sparse_mla/NOTES.md run 27), and in the MODEL1 kernel
     # with a MODEL1 extra cache (212 bytes on Triton 3.7.1, 196 on 3.6, almost all outside the loops; in the
     # extra cache's loop ~25 reloads of q's matrix descriptors a block of ~1700 instructions): the second
     # source's loop no longer holds in registers what the first one did. More is a regression.
     # The few-head kernel's FP4 workers hold a whole block's fp32 values at once (1.0-1.5 KB spilled).
-    budgets = {"hopper decode v41+fp4": 1024, "hopper decode model1+x": 256, "hopper few-head v41+fp4 h16": 1536,
+    budgets = {"hopper decode v41+fp4": 1024, "hopper decode model1+x": 256, "hopper few-head v41+fp4 h8": 1536,
+               "hopper few-head v41+fp4 h16": 1536,
                "hopper few-head v41+fp4 h32": 2048, "hopper few-head model1+x h32": 256}
     return [(label, report(kernel, ptrs, consts, 4, ARCHS["90"], GluonASTSource, maxnreg=REGS.value),
              budgets.get(label, 64)) for label, kernel, ptrs, consts in jobs]

@@ -57,9 +57,8 @@ SWEEP = {
 }
 # Tensor-parallel head counts (16 or 8 heads a GPU): one 16-row tile, memory-bound.
 _FEW_HEADS = [Config(TileConfig(16, bn, 4, st, False)) for bn, st in ((64, 2), (32, 4), (32, 6), (16, 8))]
-SWEEP.update({name: _FEW_HEADS for name in ("v32-decode-h16", "v32-decode-h8", "v4-decode-h16", "v4-decode-h8",
-                                             "v32-prefill-h16")})
-# The tp suite (issue 14): the Hopper sparse kernels' programs of 16, 32 (hopper/few_heads.py) or 64 heads (a
+SWEEP.update({name: _FEW_HEADS for name in ("v32-decode-h16", "v4-decode-h16", "v32-prefill-h16")})
+# The tp suite (issue 14): the Hopper sparse kernels' programs of 8, 16, 32 (hopper/few_heads.py) or 64 heads (a
 # forced 12-warp tile's block_h picks them), decoding with and without 2 splits.
 _FEW_HEAD_DECODE = [Config(), Config(splits=2)] + [Config(TileConfig(h, 64, 12, 2, False), sp, warp_specialized=True)
                                                    for h in (16, 32, 64) for sp in (None, 2)]
@@ -68,6 +67,10 @@ _FEW_HEAD_PREFILL = [Config()] + [Config(TileConfig(h, 64, 12, 2, False), warp_s
 _FEW_HEAD_PROGRAMS = [Config(TileConfig(h, 64, 12, 2, False), warp_specialized=True) for h in (32, 16)]
 SWEEP.update({name: _FEW_HEAD_DECODE for name in ("tp-sdecode-v32-b128-h16", "tp-sdecode-v32-b128-h8",
                                                   "tp-sdecode-v41+fp4-b128-h16", "tp-sdecode-model1-b128-h16")})
+# At most 8 heads: programs of 8 heads against 16 (deepseek suite: V3.2 and V4 at TP 16 and 8)
+_EIGHT_OR_SIXTEEN = [Config()] + [Config(TileConfig(h, 64, 12, 2, False), warp_specialized=True) for h in (8, 16)]
+SWEEP.update({name: _EIGHT_OR_SIXTEEN for name in ("v32-decode-h8", "v4-decode-h8", "v32-prefill-h8", "v4-prefill-h8",
+                                                   "tp-sdecode-v32-b128-h8")})
 SWEEP.update({"tp-prefill-h16-d576": _FEW_HEAD_PREFILL,
               "tp-prefill-h32-d512": _FEW_HEAD_PREFILL, "tp-prefill-h32-d576": _FEW_HEAD_PREFILL,
               "tp-sdecode-v32-b128-h32": _FEW_HEAD_DECODE,

@@ -249,12 +249,16 @@ HOPPER_FEWEST_ROWS = {
 # kernels, their tile masking the heads past h_q). A forced 12-warp tile's block_h picks one instead.
 HOPPER_PROGRAM_HEADS = {
     "sparse_decode": (
+        (8, "H200, 2026-12-02, b64 s_q 1 topk 2048: V3.2 h_q 8 56.9 µs with 8-head programs vs 59.4 with 16; "
+            "V4.1 + FP4 extra 85.9 vs 88.2"),
         (16, "H200, 2026-12-01, b128 s_q 1: V3.2 h_q 16 96-98 µs with 16-head programs vs 114 with 32 and 127 with "
              "64, h_q 8 95-97 vs 127; MODEL1 + 512 extra h_q 16 103-110 vs 178; V4.1 + FP4 extra 147-151 vs 256"),
         (32, "H200, 2026-12-01, b128 s_q 1: V3.2 h_q 32 113-117 µs with 32-head programs vs 128 with 64 and 158 with "
              "two of 16"),
     ),
     "sparse_prefill": (
+        (8, "H200, 2026-12-02, s_q 4096 topk 2048: h_q 8 d 576 1585 µs with 8-head programs vs 1717 with 16, "
+            "d 512 1376 vs 1544"),
         (16, "H200, 2026-12-01, s_q 4096 topk 2048 d 576: h_q 16 1719 µs with 16-head programs vs 2255 with 32 and "
              "2776 with 64"),
         (32, "H200, 2026-12-01, s_q 4096 topk 2048 d 512: h_q 32 2110 µs with 32-head programs vs 2412 with 64 and "
@@ -267,9 +271,9 @@ def hopper_program_heads(op: str, h_q: int) -> tuple[int, str]:
     """(heads a program of the Hopper ``op`` kernel takes, why) for ``h_q`` query heads a token."""
     tile = forced_tile()
     if tile is not None and tile.num_warps == 12:
-        if tile.block_h not in (16, 32, 64):
+        if tile.block_h not in (8, 16, 32, 64):
             raise ValueError(f"tuning.forced(tile=...): a 12-warp (Hopper) tile's block_h is the heads a program "
-                             f"takes, 16, 32 or 64; got {tile.block_h}")
+                             f"takes, 8, 16, 32 or 64; got {tile.block_h}")
         return tile.block_h, "forced"
     for heads, why in HOPPER_PROGRAM_HEADS.get(op, ()):
         if h_q <= heads:

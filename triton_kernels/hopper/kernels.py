@@ -74,7 +74,7 @@ def sparse_prefill_hopper_kernel(
     """Program ``token * head_blocks + head_block``: HEADS heads of one token (one kv head) over the token's
     ``topk`` gathered rows; blocks past ``topk_length[token // len_div]`` are never visited (``len_div`` 1 for
     prefill, ``s_q`` for bf16 sparse decoding's tokens, whose lengths are per request). 64 heads: NUM_STAGES key
-    stages that the output warpgroups refill; 16 or 32: the few-head form of ``few_heads.py`` (two stages, each
+    stages that the output warpgroups refill; 8, 16 or 32: the few-head form of ``few_heads.py`` (two stages, each
     refilled by a gathering warpgroup of its own)."""
     pid = gl.program_id(0)
     t = pid // hb_per_token
@@ -154,7 +154,7 @@ def sparse_decode_hopper_kernel(
     """Program ``(token * head_blocks + head_block, split)``: HEADS heads of one decoding token over one split's
     key blocks (``_decode_sources``): the token's ``topk`` slots in the quantized cache ``kv_ptr`` (bytes),
     then its ``x_topk`` slots in the extra cache. Writes out and lse, or the split's partial. 64 heads: the
-    dequantizing softmax warpgroup of ``dequant.py``; 16 or 32: the few-head form of ``few_heads.py``."""
+    dequantizing softmax warpgroup of ``dequant.py``; 8, 16 or 32: the few-head form of ``few_heads.py``."""
     pid = gl.program_id(0)
     split = gl.program_id(1)
     t = pid // hb_per_token

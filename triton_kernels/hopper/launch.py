@@ -1,7 +1,7 @@
 """Host side of the Hopper kernels: whether a call fits them, and their launches.
 
 They serve sm_90 GPUs with Triton 3.6 or 3.7 (Gluon), for 64-row tiles (the compute-bound regime) and their
-few-head forms (16 or 32 heads a program: tensor-parallel head counts), one kv head and 16-bit values (sparse
+few-head forms (8, 16 or 32 heads a program: tensor-parallel head counts), one kv head and 16-bit values (sparse
 decoding: V3.2, V4.1 and MODEL1 quantized caches, and bf16/fp16 caches whose blocks lie back to back); everything
 else keeps the portable kernels. ``tuning.forced(warp_specialized=...)`` turns them off or insists on them (an error when the call does
 not fit).
