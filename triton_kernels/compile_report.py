@@ -257,7 +257,8 @@ def hopper_reports() -> list:
     jobs += [(f"hopper few-head prefill d{d} h{heads}", kernels.sparse_prefill_hopper_kernel, {**ints, **bf16},
               dict(D_QK=d, HAS_LEN=True, HAS_SINK=True, BLOCK_N=tile.block_n, NUM_STAGES=2, HEADS=heads,
                    K_LAYOUT=_shared_layout([tile.block_n, 512], rows.dtype),
-                   R_LAYOUT=_shared_layout([tile.block_n, 64], rows.dtype))) for d, heads in ((576, 16), (512, 32), (576, 8), (512, 8))]
+                   R_LAYOUT=_shared_layout([tile.block_n, 64], rows.dtype)))
+             for d, heads in ((576, 16), (512, 32), (576, 8), (512, 8))]
     # Spills allowed: a few bytes, except in the V4.1 + FP4 decoding kernel, whose FP4 loop spills ~0.6-0.8 KB
     # and still beat the portable kernel on the H200 (sparse_mla/NOTES.md run 27), and in the MODEL1 kernel
     # with a MODEL1 extra cache (212 bytes on Triton 3.7.1, 196 on 3.6, almost all outside the loops; in the
