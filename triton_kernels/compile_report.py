@@ -211,6 +211,7 @@ def hopper_reports() -> list:
     from triton.runtime.jit import mangle_type
     from .hopper import kernels
     from .hopper.launch import _shared_layout
+    from .hopper.few_heads import launch_regs
     from .hopper.partitions import REGS
     from .tuning import warp_specialized_config
     tile = warp_specialized_config()
@@ -264,11 +265,16 @@ def hopper_reports() -> list:
     # with a MODEL1 extra cache (212 bytes on Triton 3.7.1, 196 on 3.6, almost all outside the loops; in the
     # extra cache's loop ~25 reloads of q's matrix descriptors a block of ~1700 instructions): the second
     # source's loop no longer holds in registers what the first one did. More is a regression.
-    # The few-head kernel's FP4 workers hold a whole block's fp32 values at once (1.0-1.5 KB spilled).
-    budgets = {"hopper decode v41+fp4": 1024, "hopper decode model1+x": 256, "hopper few-head v41+fp4 h8": 1536,
-               "hopper few-head v41+fp4 h16": 1536,
-               "hopper few-head v41+fp4 h32": 2048, "hopper few-head model1+x h32": 256}
-    return [(label, report(kernel, ptrs, consts, 4, ARCHS["90"], GluonASTSource, maxnreg=REGS.value),
+    # The few-head kernel's FP4 workers hold a whole block's fp32 values at once: 1.0-1.5 KB spilled by 4-warp
+    # workers (32 heads), 80 / 260 B by the 8-warp ones of 8 / 16 heads (Triton 3.7.1).
+    budgets = {"hopper decode v41+fp4": 1024, "hopper decode model1+x": 256, "hopper few-head v41+fp4 h8": 256,
+               "hopper few-head v41+fp4 h16": 512, "hopper few-head v41+fp4 h32": 2048,
+               "hopper few-head model1+x h32": 256}
+
+    def regs(consts):  # as SparseDecodeLaunch launches them
+        few = consts.get("HEADS", 64) < 64 and "FMT" in consts
+        return launch_regs(consts["HEADS"], consts["FMT"]) if few else REGS.value
+    return [(label, report(kernel, ptrs, consts, 4, ARCHS["90"], GluonASTSource, maxnreg=regs(consts)),
              budgets.get(label, 64)) for label, kernel, ptrs, consts in jobs]
 
 

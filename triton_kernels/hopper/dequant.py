@@ -21,7 +21,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from ..common import FMT_MODEL1_FP8, FMT_V32_FP8, FMT_V41_FP4, FMT_V41_FP8
-from .partitions import (BLOCK_H, NEG, ROWS_LAYOUT, block_indices, exp2_approx, publish_alpha, publish_p,
+from .partitions import (BLOCK_H, NEG, block_indices, exp2_approx, publish_alpha, publish_p,
                          publish_totals, warpgroup_mma_layout)
 
 # Registers a thread of each output warpgroup (their [64, 256] accumulators fit without spills); the softmax
@@ -30,20 +30,31 @@ OUTPUT_REGS = gl.constexpr(160)
 ROPE_AT = gl.constexpr(528)  # V3.2: byte offset of the bf16 rope values in a row
 MODEL1_ROW = gl.constexpr(576)  # MODEL1: bytes of a row's data (448 codes, 64 bf16 rope values), scales apart
 MODEL1_ROPE_TILE = gl.constexpr(7)  # MODEL1: the 64-column tile of the rope values (columns [448, 512))
-# L2 prefetches of a block's rows: [rows, 8] line addresses a thread (a row of at most 656 bytes spans at most 7
-# lines of 128 bytes: offsets 0, 128, ..., and its last byte).
-LINES_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0]))
 PREFETCH_ASM = gl.constexpr("{ .reg .pred p; setp.ge.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }")
 
 
 @gluon.constexpr_function
-def _codes_layout(fmt):
-    """A block's codes as [rows, scale tiles, bytes a tile], 8 bytes a thread (8-byte loads). FP8: the 8 lanes
-    of a store phase write one row's 64 bf16 values, a whole 128-byte swizzle row (conflict-free). MODEL1: the
-    tiles lie in registers, so which of them is the rope tile is known when compiling."""
+def _codes_layout(fmt, warps):
+    """A block's codes as [rows, scale tiles, bytes a tile], 8 bytes a thread (8-byte loads), the rows spread
+    over the ``warps`` that dequantize. FP8: the 8 lanes of a store phase write one row's 64 bf16 values, a
+    whole 128-byte swizzle row (conflict-free). MODEL1: the tiles lie in registers, so which of them is the rope
+    tile is known when compiling."""
     lanes = {FMT_V32_FP8.value: [4, 1, 8], FMT_V41_FP8.value: [4, 2, 4], FMT_V41_FP4.value: [4, 8, 1],
              FMT_MODEL1_FP8.value: [4, 1, 8]}[fmt]
-    return gl.BlockedLayout([1, 1, 8], lanes, [4, 1, 1], [2, 1, 0])
+    return gl.BlockedLayout([1, 1, 8], lanes, [warps, 1, 1], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _lines_layout(warps):
+    """L2 prefetches of a block's rows: [rows, 8] line addresses (a row of at most 656 bytes spans at most 7
+    lines of 128 bytes: offsets 0, 128, ..., and its last byte)."""
+    return gl.BlockedLayout([1, 1], [4, 8], [warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _rope_layout(warps):
+    """V3.2's rope tails [rows, 64] bf16, 16 bytes a thread (``partitions.ROWS_LAYOUT`` over ``warps``)."""
+    return gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
 
 
 @gluon.constexpr_function
@@ -55,9 +66,9 @@ def _tiles(fmt):
 
 
 @gluon.constexpr_function
-def _slots_layout(fmt):
+def _slots_layout(fmt, warps):
     """A block's slots [rows], spread as the rows of its codes are."""
-    return gl.SliceLayout(1, gl.SliceLayout(2, _codes_layout(fmt)))
+    return gl.SliceLayout(1, gl.SliceLayout(2, _codes_layout(fmt, warps)))
 
 
 @gluon.jit
@@ -85,7 +96,7 @@ def _load_codes(kv_ptr, slots, stride_block, stride_row, page, FMT: gl.constexpr
     if FMT == FMT_MODEL1_FP8:
         codes, scales = _load_model1(kv_ptr, slots, stride_block, page)
     else:
-        layout: gl.constexpr = _codes_layout(FMT)
+        layout: gl.constexpr = _codes_layout(FMT, gl.num_warps())
         n_tiles: gl.constexpr = _tiles(FMT)[0]
         tile_bytes: gl.constexpr = _tiles(FMT)[1]
         scales_at: gl.constexpr = _tiles(FMT)[2]
@@ -110,7 +121,7 @@ def _load_model1(kv_ptr, slots, stride_block, page):
     """MODEL1: a block's codes ``[rows, 8, 64]`` (the rope tile, 7, reads nothing) and, as its scales, each
     row's 8 scale bytes as one 64-bit word ``[rows]`` with its bf16 rope values ``[rows, 1, 64]`` (16 bytes a
     thread)."""
-    layout: gl.constexpr = _codes_layout(FMT_MODEL1_FP8)
+    layout: gl.constexpr = _codes_layout(FMT_MODEL1_FP8, gl.num_warps())
     data, scales_at = _model1_row_bytes(slots, stride_block, page)
     valid = slots >= 0
     words = gl.load((kv_ptr + scales_at).to(gl.pointer_type(gl.uint64)), mask=valid, other=0)
@@ -147,7 +158,7 @@ def _store_dequantized(k_stage, codes, scales, FMT: gl.constexpr):
         s = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32)
     if FMT == FMT_MODEL1_FP8:
         # Tiles lie in registers, so the rope tile's select is decided when compiling: its conversions vanish.
-        tiles_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, _codes_layout(FMT)))
+        tiles_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, _codes_layout(FMT, gl.num_warps())))
         tiles = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=tiles_l), 0), 2)
         values = (codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(s, 2)).to(k_stage.dtype)
         values = gl.where(tiles == MODEL1_ROPE_TILE, rope, values)
@@ -164,7 +175,7 @@ def _store_dequantized(k_stage, codes, scales, FMT: gl.constexpr):
 @gluon.jit
 def _model1_scales(words):
     """MODEL1: the e8m0 scales ``[rows, 8]`` (fp32) of the rows' scale words (byte t scales tile t)."""
-    layout: gl.constexpr = _codes_layout(FMT_MODEL1_FP8)
+    layout: gl.constexpr = _codes_layout(FMT_MODEL1_FP8, gl.num_warps())
     shifts = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout))).to(gl.uint64) * 8
     e8m0 = (gl.expand_dims(words, 1) >> gl.expand_dims(shifts, 0)) & 0xFF
     return (e8m0.to(gl.int32) << 23).to(gl.float32, bitcast=True)
@@ -172,11 +183,12 @@ def _model1_scales(words):
 
 @gluon.jit
 def _rope_pointers(kv_ptr, slots, stride_block, stride_row, page):
-    """V3.2: the addresses ``[rows, 64]`` (bf16, ``ROWS_LAYOUT``: 16 bytes a thread) of a block's rope tails and
+    """V3.2: the addresses ``[rows, 64]`` (bf16, ``_rope_layout``: 16 bytes a thread) of a block's rope tails and
     which of them to read (not those of slot -1)."""
-    slots = gl.convert_layout(slots, gl.SliceLayout(1, ROWS_LAYOUT))
+    layout: gl.constexpr = _rope_layout(gl.num_warps())
+    slots = gl.convert_layout(slots, gl.SliceLayout(1, layout))
     base = gl.expand_dims(_row_bytes(slots, stride_block, stride_row, page) + ROPE_AT, 1)
-    cols = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, ROWS_LAYOUT)), 0)
+    cols = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, layout)), 0)
     return (kv_ptr + base).to(gl.pointer_type(gl.bfloat16)) + cols, gl.expand_dims(slots >= 0, 1) & (cols >= 0)
 
 
@@ -195,11 +207,12 @@ def _prefetch_rows(kv_ptr, slots, stride_block, stride_row, page, FMT: gl.conste
     the block then wait for L2, not for memory. Slot -1 asks for nothing. MODEL1: the eighth line a row is
     that of its scales (its 576 bytes span at most 6 lines)."""
     row_bytes: gl.constexpr = _tiles(FMT)[3]
-    slots = gl.expand_dims(gl.convert_layout(slots, gl.SliceLayout(1, LINES_LAYOUT)), 1)
-    lines = gl.expand_dims(gl.minimum(128 * gl.arange(0, 8, layout=gl.SliceLayout(0, LINES_LAYOUT)), row_bytes - 1), 0)
+    layout: gl.constexpr = _lines_layout(gl.num_warps())
+    slots = gl.expand_dims(gl.convert_layout(slots, gl.SliceLayout(1, layout)), 1)
+    lines = gl.expand_dims(gl.minimum(128 * gl.arange(0, 8, layout=gl.SliceLayout(0, layout)), row_bytes - 1), 0)
     if FMT == FMT_MODEL1_FP8:
         data, scales_at = _model1_row_bytes(slots, stride_block, page)
-        last = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, LINES_LAYOUT)), 0) == 7
+        last = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, layout)), 0) == 7
         addr = kv_ptr + gl.where(last, scales_at, data + lines)
     else:
         addr = kv_ptr + _row_bytes(slots, stride_block, stride_row, page) + lines
@@ -218,7 +231,7 @@ def _attend_source(q_smem, qr_smem, bufs, bars, src, i0, m_run, m_use, l, scale_
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     s_layout: gl.constexpr = warpgroup_mma_layout(BLOCK_N)
     pos_l: gl.constexpr = gl.SliceLayout(0, s_layout)
-    slots_l: gl.constexpr = _slots_layout(FMT)
+    slots_l: gl.constexpr = _slots_layout(FMT, gl.num_warps())
     slots = block_indices(idx_row_ptr, j0, end, n_rows, BLOCK_N, slots_l)
     next_slots = block_indices(idx_row_ptr, j0 + 1, end, n_rows, BLOCK_N, slots_l)
     later_slots = block_indices(idx_row_ptr, j0 + 2, end, n_rows, BLOCK_N, slots_l)

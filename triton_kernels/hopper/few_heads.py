@@ -6,13 +6,14 @@ Why a kernel of its own: with 64 query rows a program (``dequant.py``), a token 
 the tile, and the one warpgroup that dequantizes rows is a single latency-bound chain an SM (H200, run 35:
 1.6 TB/s, 1 program an SM). Turned around, Sᵀ = K·qᵀ is a 64-key x HEADS product and Oᵀ = Vᵀ·Pᵀ accumulates
 ``[512, HEADS]``: 64 registers a thread at 16 heads instead of two warpgroups' 128. That leaves room for two
-warpgroups that do nothing but dequantize, each owning one of the two key stages:
+workers that do nothing but dequantize (a warpgroup each; two each for V4.1 caches at <= 16 heads,
+``fill_warps``), each owning one of the two key stages:
 
 - the default warpgroup: for each block, Sᵀ (K from the stage, qᵀ from shared memory), the mask and the
   skip-scale online softmax along the keys (one cross-warp maximum a block; the row sums are kept per thread
   and reduced once at the end), Pᵀ into shared memory, Oᵀ += Vᵀ·Pᵀ (V transposed from the same stage), then
   it frees the stage;
-- two dequantizing warpgroups: worker ``w`` fills the program's blocks ``w, w + 2, ...``: it loads a block's
+- two dequantizing workers: worker ``w`` fills the program's blocks ``w, w + 2, ...``: it loads a block's
   codes and scales into registers and asks L2 for its next block's rows, waits for its stage, writes the block
   in bf16 (the rope values too), and marks the stage full.
 
@@ -26,18 +27,36 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ..common import FMT_BF16, FMT_V32_FP8
+from ..common import FMT_BF16, FMT_V32_FP8, FMT_V41_FP8
 from .dequant import _load_codes, _prefetch_rows, _rope_pointers, _slots_layout, _store_dequantized
 from .partitions import (NEG, RESCALE_THRESHOLD_LOG2, ROWS_LAYOUT, WIDE_ROWS_LAYOUT, _store_output, block_indices,
                          exp2_approx, warpgroup_mma_layout)
 
 
 @gluon.constexpr_function
-def worker_regs(heads):
-    """Registers a thread of each dequantizing warpgroup (a block's codes are 64 of them); the default warpgroup
-    gets the rest of the register file (Triton re-balances with setmaxnreg): at 32 heads its Oᵀ takes 128.
-    The fewest spills offline (compile_report --hopper, Triton 3.7.1): V3.2 0 / 44 bytes at 16 / 32 heads."""
+def fill_warps(heads, fmt):
+    """Warps of each filling worker: 8 where they dequantize V4.1 caches for at most 16 heads (a block's codes
+    converted by two warpgroups at once, 32 registers a thread: V4.1's 16 scales a row and FP4's nibbles make its
+    conversion the longest, ../sparse_mla/NOTES.md run 117), else 4: V3.2 and MODEL1 workers wait on their loads
+    more than they convert, bf16 workers only copy, and beside 32 heads' Oᵀ (128 registers a thread) wider
+    workers spill."""
+    return 8 if fmt == FMT_V41_FP8 and heads <= 16 else 4
+
+
+@gluon.constexpr_function
+def worker_regs(heads, fmt):
+    """Registers a thread of each worker; the default warpgroup gets the rest of the register file (Triton
+    re-balances with setmaxnreg). The fewest spills offline (compile_report --hopper, Triton 3.7.1)."""
+    if fill_warps(heads, fmt) == 8:
+        return 88 if heads <= 8 else 80
     return 152 if heads <= 16 else 144
+
+
+@gluon.constexpr_function
+def launch_regs(heads, fmt):
+    """Registers a thread at launch (``maxnreg``): the register file over the program's threads (168 for three
+    warpgroups, 96 for five), so the default warpgroup can grow into what the workers give back."""
+    return 65536 // (32 * (4 + 2 * fill_warps(heads, fmt))) // 8 * 8
 
 
 # Oᵀ leaves in rows of 512 output columns (4 contiguous a thread): coalesced stores of out and the partials.
@@ -115,7 +134,7 @@ def _fill(k_smem, kr_smem, ready, empty, src, i0, W: gl.constexpr, FMT: gl.const
     """Worker ``W``'s blocks of one source (those whose program block number ``i`` is ``W`` modulo 2)."""
     kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j0, j1 = src
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    slots_l: gl.constexpr = _slots_layout(FMT)
+    slots_l: gl.constexpr = _slots_layout(FMT, gl.num_warps())
     first = j0 + (W + 2 - i0 % 2) % 2
     slots = block_indices(idx_row_ptr, first, end, n_rows, BLOCK_N, slots_l)
     next_slots = block_indices(idx_row_ptr, first + 2, end, n_rows, BLOCK_N, slots_l)

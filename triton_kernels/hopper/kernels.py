@@ -10,8 +10,9 @@ measured: ``../dense_decode/NOTES.md`` and ``../sparse_mla/NOTES.md``.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from ..common import FMT_BF16
 from .dequant import OUTPUT_REGS, dequant_softmax_partition
-from .few_heads import allocate_few_heads, attend_partition, fill_even, fill_odd, worker_regs
+from .few_heads import allocate_few_heads, attend_partition, fill_even, fill_odd, fill_warps, worker_regs
 from .partitions import (BLOCK_H, FILL_BY_SOFTMAX, FILL_GATHER, FILL_PAGES, REGS, VECTOR_LAYOUT, allocate,
                          load_queries, output_hi, output_lo, softmax_partition)
 
@@ -109,7 +110,7 @@ def sparse_prefill_hopper_kernel(
                                 out_args, D_QK, False, False, HAS_SINK, True)),
             (fill_even, (k_smem, kr_smem, ready, empty, rows, rows, 0, 0, False)),
             (fill_odd, (k_smem, kr_smem, ready, empty, rows, rows, 0, 0, False)),
-        ], [4, 4], [worker_regs(HEADS), worker_regs(HEADS)])
+        ], [4, 4], [worker_regs(HEADS, FMT_BF16), worker_regs(HEADS, FMT_BF16)])
 
 
 @gluon.jit
@@ -188,4 +189,4 @@ def sparse_decode_hopper_kernel(
                                 out_args, D_QK, HAS_X, SPLIT, HAS_SINK, False)),
             (fill_even, (k_smem, kr_smem, ready, empty, main, extra, FMT, X_FMT, HAS_X)),
             (fill_odd, (k_smem, kr_smem, ready, empty, main, extra, FMT, X_FMT, HAS_X)),
-        ], [4, 4], [worker_regs(HEADS), worker_regs(HEADS)])
+        ], [fill_warps(HEADS, FMT), fill_warps(HEADS, FMT)], [worker_regs(HEADS, FMT), worker_regs(HEADS, FMT)])

@@ -260,13 +260,15 @@ class SparseDecodeLaunch:
 
     def __init__(self, tile: TileConfig, tokens: int, h_q: int, d: int, main_code: int, x_code: int, has_x: bool,
                  has_len: bool, has_x_len: bool, has_sink: bool, split: bool, dtype: torch.dtype):
+        from .few_heads import launch_regs
         from .kernels import REGS, sparse_decode_hopper_kernel
         self.hb = triton.cdiv(h_q, tile.block_h)
         self.grid_rows = tokens * self.hb
         self.constexprs = [d, main_code, x_code, has_x, has_len, has_x_len, has_sink, split, tile.block_n,
                            _shared_layout([tile.block_n, 512], dtype), _shared_layout([tile.block_n, 64], dtype),
                            tile.block_h]
-        self.launcher = Launcher(sparse_decode_hopper_kernel, num_warps=4, maxnreg=REGS.value)
+        regs = REGS.value if tile.block_h == 64 else launch_regs(tile.block_h, main_code)
+        self.launcher = Launcher(sparse_decode_hopper_kernel, num_warps=4, maxnreg=regs)
 
     def __call__(self, call, typed, len_div: int, sm_scale: float, num_splits: int, ws) -> None:
         """``call``: the call's tensors (``sparse_mla.launch.CallTensors``); ``typed()``: ``(q, main, extra, out,
