@@ -261,13 +261,11 @@ def hopper_reports() -> list:
                    R_LAYOUT=_shared_layout([tile.block_n, 64], rows.dtype)))
              for d, heads in ((576, 16), (512, 32), (576, 8), (512, 8))]
     # Spills allowed: a few bytes, except in the V4.1 + FP4 decoding kernel, whose FP4 loop spills ~0.6-0.8 KB
-    # and still beat the portable kernel on the H200 (sparse_mla/NOTES.md run 27), and in the MODEL1 kernel
-    # with a MODEL1 extra cache (212 bytes on Triton 3.7.1, 196 on 3.6, almost all outside the loops; in the
-    # extra cache's loop ~25 reloads of q's matrix descriptors a block of ~1700 instructions): the second
-    # source's loop no longer holds in registers what the first one did. More is a regression.
+    # and still beat the portable kernel on the H200 (sparse_mla/NOTES.md run 27). More is a regression. (A second
+    # loop for a MODEL1 extra cache spilled ~200 B and cost CONFIG1 18 %: run 120; both caches now share one loop.)
     # The few-head kernel's FP4 workers hold a whole block's fp32 values at once: 1.0-1.5 KB spilled by 4-warp
     # workers (32 heads), 80 / 260 B by the 8-warp ones of 8 / 16 heads (Triton 3.7.1).
-    budgets = {"hopper decode v41+fp4": 1024, "hopper decode model1+x": 256, "hopper few-head v41+fp4 h8": 256,
+    budgets = {"hopper decode v41+fp4": 1024, "hopper few-head v41+fp4 h8": 256,
                "hopper few-head v41+fp4 h16": 512, "hopper few-head v41+fp4 h32": 2048,
                "hopper few-head model1+x h32": 256}
 

@@ -221,43 +221,81 @@ def _prefetch_rows(kv_ptr, slots, stride_block, stride_row, page, FMT: gl.conste
 
 
 @gluon.jit
-def _attend_source(q_smem, qr_smem, bufs, bars, src, i0, m_run, m_use, l, scale_log2, D_QK: gl.constexpr,
-                   FMT: gl.constexpr):
-    """Key blocks ``[j0, j1)`` of one source, the program's blocks ``i0, i0 + 1, ...`` (stage ``i % 2``):
-    the online softmax continues from ``(m_run, m_use, l)``. Returns them and the next block number. The
-    stage of block ``i0`` is free: only block ``i0 - 2`` used it, and P of ``i0 - 1`` went out."""
+def _block_source(first, second, n_first, k):
+    """Where a call's ``k``-th key block lies: ``(kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr,
+    end, j)``, block ``j`` of ``first``'s index list while ``k < n_first``, then of ``second``'s. Past both
+    ranges ``j`` is past ``second``'s, whose positions are never read."""
+    if k < n_first:
+        kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j0, j1 = first
+        j = j0 + k
+    else:
+        kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j0, j1 = second
+        j = j0 + k - n_first
+    return kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j
+
+
+@gluon.jit
+def _slots_at(first, second, n_first, k, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
+    """The slots of a call's ``k``-th key block (``block_indices``; -1 past both ranges)."""
+    kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j = _block_source(first, second, n_first, k)
+    return block_indices(idx_row_ptr, j, end, n_rows, BLOCK_N, LAYOUT)
+
+
+@gluon.jit
+def _load_key_block(first, second, n_first, k, slots, kr_stage, FMT: gl.constexpr):
+    """Issue the loads of a call's ``k``-th key block (``_load_codes``; V3.2: its rope copies into
+    ``kr_stage``). Returns ``(codes, scales)``."""
+    kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j = _block_source(first, second, n_first, k)
+    codes, scales = _load_codes(kv_ptr, slots, stride_block, stride_row, page, FMT)
+    if FMT == FMT_V32_FP8:
+        _copy_rope(kr_stage, kv_ptr, slots, stride_block, stride_row, page)
+    return codes, scales
+
+
+@gluon.jit
+def _prefetch_block(first, second, n_first, k, slots, FMT: gl.constexpr):
+    """Ask L2 for a call's ``k``-th key block (``_prefetch_rows``)."""
+    kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j = _block_source(first, second, n_first, k)
+    _prefetch_rows(kv_ptr, slots, stride_block, stride_row, page, FMT)
+
+
+@gluon.jit
+def _attend_sources(q_smem, qr_smem, bufs, bars, first, second, i0, m_run, m_use, l, scale_log2,
+                    D_QK: gl.constexpr, FMT: gl.constexpr):
+    """Key blocks ``[j0, j1)`` of ``first``, then those of ``second`` (two caches of one format), as the
+    program's blocks ``i0, i0 + 1, ...`` (stage ``i % 2``), in one loop: the next block's loads travel while
+    the matrix units compute S, across the change of source too. The online softmax continues from ``(m_run,
+    m_use, l)``. Returns them and the next block number. The stage of block ``i0`` is free: only block
+    ``i0 - 2`` used it, and P of ``i0 - 1`` went out."""
     k_smem, kr_smem, p_smem, alpha_smem, l_smem, m_smem, mrun_smem = bufs
-    kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j0, j1 = src
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     s_layout: gl.constexpr = warpgroup_mma_layout(BLOCK_N)
     pos_l: gl.constexpr = gl.SliceLayout(0, s_layout)
     slots_l: gl.constexpr = _slots_layout(FMT, gl.num_warps())
-    slots = block_indices(idx_row_ptr, j0, end, n_rows, BLOCK_N, slots_l)
-    next_slots = block_indices(idx_row_ptr, j0 + 1, end, n_rows, BLOCK_N, slots_l)
-    later_slots = block_indices(idx_row_ptr, j0 + 2, end, n_rows, BLOCK_N, slots_l)
-    if j0 < j1:
-        codes, scales = _load_codes(kv_ptr, slots, stride_block, stride_row, page, FMT)
-        if FMT == FMT_V32_FP8:
-            _copy_rope(kr_smem.index(i0 % 2), kv_ptr, slots, stride_block, stride_row, page)
-        _prefetch_rows(kv_ptr, next_slots, stride_block, stride_row, page, FMT)
+    n_first = gl.maximum(first[8] - first[7], 0)
+    n = n_first + gl.maximum(second[8] - second[7], 0)
+    slots = _slots_at(first, second, n_first, 0, BLOCK_N, slots_l)
+    next_slots = _slots_at(first, second, n_first, 1, BLOCK_N, slots_l)
+    later_slots = _slots_at(first, second, n_first, 2, BLOCK_N, slots_l)
+    if n > 0:
+        codes, scales = _load_key_block(first, second, n_first, 0, slots, kr_smem.index(i0 % 2), FMT)
+        _prefetch_block(first, second, n_first, 1, next_slots, FMT)
         _store_dequantized(k_smem.index(i0 % 2), codes, scales, FMT)
-    for j in range(j0, j1):
-        i = i0 + j - j0
+    for k in range(0, n):
+        i = i0 + k
         stage = i % 2
         s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
         s = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
         if D_QK == 576:
             s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute((1, 0)), s, is_async=True)
         valid = gl.expand_dims(gl.convert_layout(slots, pos_l) >= 0, 0)
-        # Block j + 1's rows travel while the matrix units compute S (past the range: nothing is read); those
-        # of block j + 2 are asked into L2. The rope stage is free already: only S of block j - 1 read it.
-        codes, scales = _load_codes(kv_ptr, next_slots, stride_block, stride_row, page, FMT)
-        if FMT == FMT_V32_FP8:
-            _copy_rope(kr_smem.index(1 - stage), kv_ptr, next_slots, stride_block, stride_row, page)
-        _prefetch_rows(kv_ptr, later_slots, stride_block, stride_row, page, FMT)
+        # Block k + 1's rows travel while the matrix units compute S (past the ranges: nothing is read); those
+        # of block k + 2 are asked into L2. The rope stage is free already: only S of block k - 1 read it.
+        codes, scales = _load_key_block(first, second, n_first, k + 1, next_slots, kr_smem.index(1 - stage), FMT)
+        _prefetch_block(first, second, n_first, k + 2, later_slots, FMT)
         slots = next_slots
         next_slots = later_slots
-        later_slots = block_indices(idx_row_ptr, j + 3, end, n_rows, BLOCK_N, slots_l)
+        later_slots = _slots_at(first, second, n_first, k + 3, BLOCK_N, slots_l)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         # Raw logits: the scale is folded into the exponent; invalid keys get NEG, then p = 0.
         s = gl.where(valid, s, NEG)
@@ -265,9 +303,16 @@ def _attend_source(q_smem, qr_smem, bufs, bars, src, i0, m_run, m_use, l, scale_
         p = gl.where(valid, exp2_approx(s * scale_log2 - gl.expand_dims(m_use, 1)), 0.0)
         l = l * alpha + gl.sum(p, 1)
         publish_p(p, i, bufs, bars)
-        # P of block j went out, so both output warpgroups are done with block j - 1: its stage takes j + 1.
+        # P of block k went out, so both output warpgroups are done with block k - 1: its stage takes k + 1.
         _store_dequantized(k_smem.index(1 - stage), codes, scales, FMT)
-    return m_run, m_use, l, i0 + gl.maximum(j1 - j0, 0)
+    return m_run, m_use, l, i0 + n
+
+
+@gluon.jit
+def _alone(src):
+    """``src`` with an empty block range: the second source of a call that has one."""
+    kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j0, j1 = src
+    return kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j1, j1
 
 
 @gluon.jit
@@ -275,15 +320,20 @@ def dequant_softmax_partition(q_smem, qr_smem, bufs, bars, main, extra, scale_lo
                               FMT: gl.constexpr, X_FMT: gl.constexpr, HAS_X: gl.constexpr):
     """``main``, ``extra``: ``(kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j0, j1)``: a
     cache's bytes and paging, the token's index list into it and the split's key blocks ``[j0, j1)`` of that
-    list (positions from ``end`` on are not read). The extra cache's blocks follow the main cache's."""
+    list (positions from ``end`` on are not read). The extra cache's blocks follow the main cache's, in the
+    same loop where both caches have one format."""
     s_layout: gl.constexpr = warpgroup_mma_layout(bufs[0].shape[1])
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     m_run = gl.full([BLOCK_H], NEG, gl.float32, row_l)
     m_use = gl.full([BLOCK_H], NEG, gl.float32, row_l)
     l = gl.zeros([BLOCK_H], gl.float32, row_l)
-    m_run, m_use, l, i = _attend_source(q_smem, qr_smem, bufs, bars, main, 0, m_run, m_use, l, scale_log2, D_QK,
-                                        FMT)
-    if HAS_X:
-        m_run, m_use, l, i = _attend_source(q_smem, qr_smem, bufs, bars, extra, i, m_run, m_use, l, scale_log2,
-                                            D_QK, X_FMT)
+    if HAS_X and X_FMT == FMT:
+        m_run, m_use, l, i = _attend_sources(q_smem, qr_smem, bufs, bars, main, extra, 0, m_run, m_use, l,
+                                             scale_log2, D_QK, FMT)
+    else:
+        m_run, m_use, l, i = _attend_sources(q_smem, qr_smem, bufs, bars, main, _alone(main), 0, m_run, m_use, l,
+                                             scale_log2, D_QK, FMT)
+        if HAS_X:
+            m_run, m_use, l, i = _attend_sources(q_smem, qr_smem, bufs, bars, extra, _alone(extra), i, m_run,
+                                                 m_use, l, scale_log2, D_QK, X_FMT)
     publish_totals(l, m_use, m_run, bufs, bars)
