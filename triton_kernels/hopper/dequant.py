@@ -310,7 +310,7 @@ def _attend_sources(q_smem, qr_smem, bufs, bars, first, second, i0, m_run, m_use
 
 @gluon.jit
 def _alone(src):
-    """``src`` with an empty block range: the second source of a call that has one."""
+    """``src`` with an empty block range: the second source of ``_attend_sources`` over one source only."""
     kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j0, j1 = src
     return kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j1, j1
 
