@@ -12,6 +12,7 @@ import functools
 import inspect
 import itertools
 import math
+import os
 import struct
 import types
 
@@ -631,3 +632,27 @@ def test_the_overhead_benchs_compiled_dispatch_probe_runs_on_entries(compiled_pa
     assert r["sparse_decode_us"] > 0 and r["dense_decode_us"] > 0
     assert selection.decisions_made() == made + 2  # one decision an op: the first call of each
     assert native.module().hits() - hits >= 2 * (200 + 5 * 4000 - 1), callpath.refusals()
+
+
+def test_build_ignores_a_lock_left_behind_and_reuses_its_library(tmp_path):
+    """A process that exited mid-build leaves torch's lock file in its extension directory; a build that honoured it
+    would wait forever. The library it builds is kept and loaded by the next process without building again."""
+    import subprocess
+    import sys
+    why = native._why_not_buildable()
+    if why:
+        pytest.skip(why)
+    stale = tmp_path / native.NAME
+    stale.mkdir()
+    (stale / "lock").touch()
+    probe = ("import torch, anymla.callpath as c; from anymla.callpath import native; "
+             "print(native.cached_library().exists(), c.prepare(torch.device('cuda')))")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
+            for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    assert [run.stdout.split()[0] for run in runs] == ["False", "True"], [run.stdout for run in runs]
+    assert all(run.stdout.strip().endswith("in use") for run in runs), [run.stdout for run in runs]
+    built = [p.name for p in stale.iterdir()]
+    assert built and all(not name.startswith(native.NAME + "-") for name in built), built  # no private directory left
