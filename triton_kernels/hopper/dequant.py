@@ -1,15 +1,14 @@
-"""Sparse decoding over quantized caches on Hopper: a softmax warpgroup that also fills the key stages.
+"""Sparse decoding over quantized caches on Hopper: warpgroups that dequantize rows into the key stages.
 
-The matrix units take bf16, so each gathered row is dequantized into shared memory on its way in. Doing that
-in the output warpgroups (run 22, ``../sparse_mla/NOTES.md``) left them too few registers beside their
-[64, 256] accumulators to keep loads in flight. The softmax warpgroup has room (its S tile is 32 registers a
-thread): while the matrix units compute S of block j it issues the loads of block j + 1's codes and scales
-into registers (asked into L2 a block earlier), and once it has published P of block j, which implies that
-both output warpgroups are done with block j - 1, it writes block j + 1 in bf16 into that stage. Two stages;
-the output partitions run as for the other kernels (``FILL_BY_SOFTMAX``).
+The matrix units take bf16, so each gathered row is dequantized into shared memory on its way in, by a
+warpgroup that does nothing else: it loads a block's codes and scales into registers (its rows asked into L2 a
+block earlier), waits for a free stage and writes the block in bf16 into it. The 64-head kernel has one such
+warpgroup beside two that multiply, as FlashMLA's sm_90 kernel divides a program: the default one computes S,
+the softmax and O's first 256 columns, the other O's last 256 (``FILL_BY_WORKER``); before, the softmax
+warpgroup converted each block between its S products (run 24) and the conversion sat on its chain (run 122,
+``../sparse_mla/NOTES.md``). The few-head kernel (``few_heads.py``) has two, taking turns.
 
-Formats (``anymla.kvcache``): V3.2 FP8 (656 bytes: 512 e4m3, 4 fp32 scales a 128 columns, 64 bf16 rope values
-copied straight into shared memory by ``cp.async``), V4.1 FP8 (528 bytes: 512 e4m3, 16 e8m0 scales a 32
+Formats (``anymla.kvcache``): V3.2 FP8 (656 bytes: 512 e4m3, 4 fp32 scales a 128 columns, 64 bf16 rope values), V4.1 FP8 (528 bytes: 512 e4m3, 16 e8m0 scales a 32
 columns), V4.1 FP4 (288 bytes: 512 e2m1, 32 e4m3 scales a 16 columns) and MODEL1/V4 FP8 (per block: rows of
 448 e4m3 and 64 bf16 rope values, the latent's columns [448, 512), then every row's 8 e8m0 scale bytes, 7 used, a
 64 columns). An extra cache is a second source: its blocks follow the main cache's under one softmax.
@@ -18,15 +17,18 @@ columns), V4.1 FP4 (288 bytes: 512 e2m1, 32 e4m3 scales a 16 columns) and MODEL1
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
 from ..common import FMT_MODEL1_FP8, FMT_V32_FP8, FMT_V41_FP4, FMT_V41_FP8
-from .partitions import (BLOCK_H, NEG, block_indices, exp2_approx, publish_alpha, publish_p,
+from .partitions import (BLOCK_H, NEG, _store_output, block_indices, exp2_approx, publish_alpha, publish_p,
                          publish_totals, warpgroup_mma_layout)
 
-# Registers a thread of each output warpgroup (their [64, 256] accumulators fit without spills); the softmax
-# warpgroup gets the rest of the register file (184), for the block it holds in flight.
+# Registers a thread of the second output warpgroup (its [64, 256] accumulator fits without spills) and of the
+# dequantizing one (a block's codes, 64 a thread, with its scales and addresses); the softmax warpgroup, which
+# also owns O's first 256 columns, gets the rest of the register file (224).
 OUTPUT_REGS = gl.constexpr(160)
+DEQUANT_REGS = gl.constexpr(128)
 ROPE_AT = gl.constexpr(528)  # V3.2: byte offset of the bf16 rope values in a row
 MODEL1_ROW = gl.constexpr(576)  # MODEL1: bytes of a row's data (448 codes, 64 bf16 rope values), scales apart
 MODEL1_ROPE_TILE = gl.constexpr(7)  # MODEL1: the 64-column tile of the rope values (columns [448, 512))
@@ -145,8 +147,9 @@ def _e2m1(code):
 @gluon.jit
 def _store_dequantized(k_stage, codes, scales, FMT: gl.constexpr):
     """``code * scale`` (in fp32, rounded once to 16 bits) into the stage's [rows, 512] latent tile (MODEL1:
-    with the rope values as columns [448, 512)), then wait for the stage's rope copies (V3.2) and make
-    everything visible to the matrix units."""
+    with the rope values as columns [448, 512)), made visible to the matrix units. (No copy is in flight: the
+    ``wait_group`` keeps ptxas from moving the next block's loads above these stores, which spilled in the
+    few-head workers, 8-92 B a thread on Triton 3.6 without it.)"""
     if FMT == FMT_V32_FP8:
         s = scales
     elif FMT == FMT_V41_FP8:
@@ -193,15 +196,6 @@ def _rope_pointers(kv_ptr, slots, stride_block, stride_row, page):
 
 
 @gluon.jit
-def _copy_rope(kr_stage, kv_ptr, slots, stride_block, stride_row, page):
-    """V3.2: start the copies of a block's bf16 rope tails into ``kr_stage`` (16 bytes a piece); rows of slot -1
-    are zero-filled and read nothing."""
-    src, ok = _rope_pointers(kv_ptr, slots, stride_block, stride_row, page)
-    async_copy.async_copy_global_to_shared(kr_stage, src, mask=ok)
-    async_copy.commit_group()
-
-
-@gluon.jit
 def _prefetch_rows(kv_ptr, slots, stride_block, stride_row, page, FMT: gl.constexpr):
     """Ask L2 for the rows of a later block (no registers held until they arrive): the loads that dequantize
     the block then wait for L2, not for memory. Slot -1 asks for nothing. MODEL1: the eighth line a row is
@@ -242,70 +236,10 @@ def _slots_at(first, second, n_first, k, BLOCK_N: gl.constexpr, LAYOUT: gl.const
 
 
 @gluon.jit
-def _load_key_block(first, second, n_first, k, slots, kr_stage, FMT: gl.constexpr):
-    """Issue the loads of a call's ``k``-th key block (``_load_codes``; V3.2: its rope copies into
-    ``kr_stage``). Returns ``(codes, scales)``."""
-    kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j = _block_source(first, second, n_first, k)
-    codes, scales = _load_codes(kv_ptr, slots, stride_block, stride_row, page, FMT)
-    if FMT == FMT_V32_FP8:
-        _copy_rope(kr_stage, kv_ptr, slots, stride_block, stride_row, page)
-    return codes, scales
-
-
-@gluon.jit
 def _prefetch_block(first, second, n_first, k, slots, FMT: gl.constexpr):
     """Ask L2 for a call's ``k``-th key block (``_prefetch_rows``)."""
     kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j = _block_source(first, second, n_first, k)
     _prefetch_rows(kv_ptr, slots, stride_block, stride_row, page, FMT)
-
-
-@gluon.jit
-def _attend_sources(q_smem, qr_smem, bufs, bars, first, second, i0, m_run, m_use, l, scale_log2,
-                    D_QK: gl.constexpr, FMT: gl.constexpr):
-    """Key blocks ``[j0, j1)`` of ``first``, then those of ``second`` (two caches of one format), as the
-    program's blocks ``i0, i0 + 1, ...`` (stage ``i % 2``), in one loop: the next block's loads travel while
-    the matrix units compute S, across the change of source too. The online softmax continues from ``(m_run,
-    m_use, l)``. Returns them and the next block number. The stage of block ``i0`` is free: only block
-    ``i0 - 2`` used it, and P of ``i0 - 1`` went out."""
-    k_smem, kr_smem, p_smem, alpha_smem, l_smem, m_smem, mrun_smem = bufs
-    BLOCK_N: gl.constexpr = k_smem.shape[1]
-    s_layout: gl.constexpr = warpgroup_mma_layout(BLOCK_N)
-    pos_l: gl.constexpr = gl.SliceLayout(0, s_layout)
-    slots_l: gl.constexpr = _slots_layout(FMT, gl.num_warps())
-    n_first = gl.maximum(first[8] - first[7], 0)
-    n = n_first + gl.maximum(second[8] - second[7], 0)
-    slots = _slots_at(first, second, n_first, 0, BLOCK_N, slots_l)
-    next_slots = _slots_at(first, second, n_first, 1, BLOCK_N, slots_l)
-    later_slots = _slots_at(first, second, n_first, 2, BLOCK_N, slots_l)
-    if n > 0:
-        codes, scales = _load_key_block(first, second, n_first, 0, slots, kr_smem.index(i0 % 2), FMT)
-        _prefetch_block(first, second, n_first, 1, next_slots, FMT)
-        _store_dequantized(k_smem.index(i0 % 2), codes, scales, FMT)
-    for k in range(0, n):
-        i = i0 + k
-        stage = i % 2
-        s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
-        s = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
-        if D_QK == 576:
-            s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute((1, 0)), s, is_async=True)
-        valid = gl.expand_dims(gl.convert_layout(slots, pos_l) >= 0, 0)
-        # Block k + 1's rows travel while the matrix units compute S (past the ranges: nothing is read); those
-        # of block k + 2 are asked into L2. The rope stage is free already: only S of block k - 1 read it.
-        codes, scales = _load_key_block(first, second, n_first, k + 1, next_slots, kr_smem.index(1 - stage), FMT)
-        _prefetch_block(first, second, n_first, k + 2, later_slots, FMT)
-        slots = next_slots
-        next_slots = later_slots
-        later_slots = _slots_at(first, second, n_first, k + 3, BLOCK_N, slots_l)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        # Raw logits: the scale is folded into the exponent; invalid keys get NEG, then p = 0.
-        s = gl.where(valid, s, NEG)
-        m_run, m_use, alpha = publish_alpha(s, i, m_run, m_use, scale_log2, bufs, bars)
-        p = gl.where(valid, exp2_approx(s * scale_log2 - gl.expand_dims(m_use, 1)), 0.0)
-        l = l * alpha + gl.sum(p, 1)
-        publish_p(p, i, bufs, bars)
-        # P of block k went out, so both output warpgroups are done with block k - 1: its stage takes k + 1.
-        _store_dequantized(k_smem.index(1 - stage), codes, scales, FMT)
-    return m_run, m_use, l, i0 + n
 
 
 @gluon.jit
@@ -316,24 +250,115 @@ def _alone(src):
 
 
 @gluon.jit
-def dequant_softmax_partition(q_smem, qr_smem, bufs, bars, main, extra, scale_log2, D_QK: gl.constexpr,
-                              FMT: gl.constexpr, X_FMT: gl.constexpr, HAS_X: gl.constexpr):
-    """``main``, ``extra``: ``(kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j0, j1)``: a
-    cache's bytes and paging, the token's index list into it and the split's key blocks ``[j0, j1)`` of that
-    list (positions from ``end`` on are not read). The extra cache's blocks follow the main cache's, in the
-    same loop where both caches have one format."""
-    s_layout: gl.constexpr = warpgroup_mma_layout(bufs[0].shape[1])
+def fill_stages(k_smem, kr_smem, ready, empty, first, second, i0, W: gl.constexpr, NW: gl.constexpr,
+                FMT: gl.constexpr):
+    """A dequantizing warpgroup over ``first``'s key blocks, then ``second``'s (two caches of one format), in one
+    loop: of the program's blocks ``i = i0 + k`` (``k`` counting both sources' blocks; stage ``i % 2``) those
+    equal to ``W`` modulo ``NW`` (``NW`` warpgroups take turns). Each block's codes and scales go into registers
+    and the rows of this warpgroup's next block are asked into L2; once the stage is free the block goes into it
+    in bf16. Returns the program block number after both sources."""
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    slots_l: gl.constexpr = _slots_layout(FMT, gl.num_warps())
+    n_first = gl.maximum(first[8] - first[7], 0)
+    n = n_first + gl.maximum(second[8] - second[7], 0)
+    k0 = (W + NW - i0 % NW) % NW
+    slots = _slots_at(first, second, n_first, k0, BLOCK_N, slots_l)
+    next_slots = _slots_at(first, second, n_first, k0 + NW, BLOCK_N, slots_l)
+    for k in range(k0, n, NW):
+        i = i0 + k
+        if NW == 2:
+            stage = W
+        else:
+            stage = i % 2
+        kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j = _block_source(first, second, n_first, k)
+        codes, scales = _load_codes(kv_ptr, slots, stride_block, stride_row, page, FMT)
+        if FMT == FMT_V32_FP8:
+            rope_at, rope_ok = _rope_pointers(kv_ptr, slots, stride_block, stride_row, page)
+            rope = gl.load(rope_at, mask=rope_ok, other=0.0)
+        # This warpgroup's next block's rows into L2 (its indices came an iteration ago: nothing waits for them);
+        # the indices of the one after travel meanwhile.
+        _prefetch_block(first, second, n_first, k + NW, next_slots, FMT)
+        slots = next_slots
+        next_slots = _slots_at(first, second, n_first, k + 2 * NW, BLOCK_N, slots_l)
+        mbarrier.wait(empty.index(stage), ((i // 2) & 1) ^ 1)
+        if FMT == FMT_V32_FP8:
+            kr_smem.index(stage).store(rope)
+        _store_dequantized(k_smem.index(stage), codes, scales, FMT)
+        mbarrier.arrive(ready.index(stage), count=1)
+    return i0 + n
+
+
+@gluon.jit
+def fill_sources(k_smem, kr_smem, ready, empty, main, extra, W: gl.constexpr, NW: gl.constexpr, FMT: gl.constexpr,
+                 X_FMT: gl.constexpr, HAS_X: gl.constexpr):
+    """``fill_stages`` over a program's main and extra caches: one loop where they share a format, else two."""
+    if HAS_X and X_FMT == FMT:
+        fill_stages(k_smem, kr_smem, ready, empty, main, extra, 0, W, NW, FMT)
+    else:
+        i = fill_stages(k_smem, kr_smem, ready, empty, main, _alone(main), 0, W, NW, FMT)
+        if HAS_X:
+            fill_stages(k_smem, kr_smem, ready, empty, extra, _alone(extra), i, W, NW, X_FMT)
+
+
+@gluon.jit
+def dequant_partition(bufs, bars, main, extra, FMT: gl.constexpr, X_FMT: gl.constexpr, HAS_X: gl.constexpr):
+    """The 64-head kernel's dequantizing warpgroup: every key block of the program into the two stages."""
+    k_smem, kr_smem, p_smem, alpha_smem, l_smem, m_smem, mrun_smem = bufs
+    kv_ready, kv_empty, alpha_ready, p_ready, p_empty, done = bars
+    fill_sources(k_smem, kr_smem, kv_ready, kv_empty, main, extra, 0, 1, FMT, X_FMT, HAS_X)
+
+
+@gluon.jit
+def softmax_output_partition(q_smem, qr_smem, bufs, bars, main, extra, scale_log2, out_args, D_QK: gl.constexpr,
+                             HAS_X: gl.constexpr, SPLIT: gl.constexpr, HAS_SINK: gl.constexpr):
+    """The 64-head kernel's default warpgroup, over both sources' key blocks in one loop (a block's source only
+    decides which keys are valid): S = q·kᵀ, the online softmax, the rescale factors and P published to the
+    other output warpgroup, then its own columns [0, 256) of O (``acc * alpha + P·V``); it frees a stage with the
+    other output warpgroup once both products are done, and writes its columns, lse and max_logits.
+
+    ``main``, ``extra``: ``(kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j0, j1)``: a cache's
+    bytes and paging, the token's index list into it and the split's key blocks ``[j0, j1)`` of that list
+    (positions from ``end`` on are not read)."""
+    k_smem, kr_smem, p_smem, alpha_smem, l_smem, m_smem, mrun_smem = bufs
+    kv_ready, kv_empty, alpha_ready, p_ready, p_empty, done = bars
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    s_layout: gl.constexpr = warpgroup_mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = warpgroup_mma_layout(256)
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+    pos_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+    if HAS_X:
+        second = extra
+    else:
+        second = _alone(main)
+    n_first = gl.maximum(main[8] - main[7], 0)
+    n = n_first + gl.maximum(second[8] - second[7], 0)
     m_run = gl.full([BLOCK_H], NEG, gl.float32, row_l)
     m_use = gl.full([BLOCK_H], NEG, gl.float32, row_l)
     l = gl.zeros([BLOCK_H], gl.float32, row_l)
-    if HAS_X and X_FMT == FMT:
-        m_run, m_use, l, i = _attend_sources(q_smem, qr_smem, bufs, bars, main, extra, 0, m_run, m_use, l,
-                                             scale_log2, D_QK, FMT)
-    else:
-        m_run, m_use, l, i = _attend_sources(q_smem, qr_smem, bufs, bars, main, _alone(main), 0, m_run, m_use, l,
-                                             scale_log2, D_QK, FMT)
-        if HAS_X:
-            m_run, m_use, l, i = _attend_sources(q_smem, qr_smem, bufs, bars, extra, _alone(extra), i, m_run,
-                                                 m_use, l, scale_log2, D_QK, X_FMT)
+    acc = gl.zeros([BLOCK_H, 256], gl.float32, o_layout)
+    for i in range(0, n):
+        stage = i % 2
+        mbarrier.wait(kv_ready.index(stage), (i // 2) & 1)
+        # The block's indices (the dequantizing warpgroup read them: from L1 or L2) travel while S is computed;
+        # fetched a block ahead they would hold 16 more registers a thread through the loop.
+        slots = _slots_at(main, second, n_first, i, BLOCK_N, pos_l)
+        s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
+        s = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
+        if D_QK == 576:
+            s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        # Raw logits: the scale is folded into the exponent; invalid keys get NEG, then p = 0.
+        valid = gl.expand_dims(slots >= 0, 0)
+        s = gl.where(valid, s, NEG)
+        m_run, m_use, alpha = publish_alpha(s, i, m_run, m_use, scale_log2, bufs, bars)
+        p = gl.where(valid, exp2_approx(s * scale_log2 - gl.expand_dims(m_use, 1)), 0.0)
+        l = l * alpha + gl.sum(p, 1)
+        publish_p(p, i, bufs, bars)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_l), 1)
+        acc = warpgroup_mma(p_smem, k_smem.index(stage).slice(0, 256, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(kv_empty.index(stage), count=1)
     publish_totals(l, m_use, m_run, bufs, bars)
+    _store_output(acc, gl.convert_layout(l, o_row_l), gl.convert_layout(m_use, o_row_l),
+                  gl.convert_layout(m_run, o_row_l), out_args, False, SPLIT, HAS_SINK, 0)

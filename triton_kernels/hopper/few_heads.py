@@ -27,8 +27,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ..common import FMT_BF16, FMT_V32_FP8, FMT_V41_FP8
-from .dequant import _load_codes, _prefetch_rows, _rope_pointers, _slots_layout, _store_dequantized
+from ..common import FMT_BF16, FMT_V41_FP8
+from .dequant import _alone, _slots_at, fill_sources
 from .partitions import (NEG, RESCALE_THRESHOLD_LOG2, ROWS_LAYOUT, WIDE_ROWS_LAYOUT, _store_output, block_indices,
                          exp2_approx, warpgroup_mma_layout)
 
@@ -64,20 +64,21 @@ OUT_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))
 
 
 @gluon.jit
-def _attend(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, src, i0, m_run, m_use, l_acc, acc, scale_log2,
-            D_QK: gl.constexpr):
-    """The default warpgroup over one source's key blocks ``[j0, j1)``, the program's blocks ``i0, i0 + 1, ...``
-    (stage ``i % 2``). Returns the softmax state and Oᵀ."""
-    kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j0, j1 = src
+def _attend(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, first, second, m_run, m_use, l_acc, acc,
+            scale_log2, D_QK: gl.constexpr):
+    """The default warpgroup over ``first``'s key blocks, then ``second``'s, in one loop (a block's source only
+    decides which keys are valid), as the program's blocks ``0, 1, ...`` (stage ``i % 2``). Returns the softmax
+    state and Oᵀ."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HEADS: gl.constexpr = q_smem.shape[0]
     s_layout: gl.constexpr = warpgroup_mma_layout(HEADS)
     pos_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-    slots = block_indices(idx_row_ptr, j0, end, n_rows, BLOCK_N, pos_l)
-    for j in range(j0, j1):
-        i = i0 + j - j0
+    n_first = gl.maximum(first[8] - first[7], 0)
+    n = n_first + gl.maximum(second[8] - second[7], 0)
+    slots = _slots_at(first, second, n_first, 0, BLOCK_N, pos_l)
+    for i in range(0, n):
         stage = i % 2
-        next_slots = block_indices(idx_row_ptr, j + 1, end, n_rows, BLOCK_N, pos_l)
+        next_slots = _slots_at(first, second, n_first, i + 1, BLOCK_N, pos_l)
         mbarrier.wait(ready.index(stage), (i // 2) & 1)
         s = gl.zeros([BLOCK_N, HEADS], gl.float32, s_layout)
         s = warpgroup_mma(k_smem.index(stage), q_smem.permute((1, 0)), s, use_acc=False, is_async=True)
@@ -101,7 +102,7 @@ def _attend(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, src, i0, m_r
         m_run = m_new
         m_use = m_next
         slots = next_slots
-    return m_run, m_use, l_acc, acc, i0 + gl.maximum(j1 - j0, 0)
+    return m_run, m_use, l_acc, acc
 
 
 @gluon.jit
@@ -118,43 +119,16 @@ def attend_partition(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, mai
     m_use = gl.full([HEADS], NEG, gl.float32, head_l)
     l_acc = gl.zeros([BLOCK_N, HEADS], gl.float32, s_layout)
     acc = gl.zeros([512, HEADS], gl.float32, s_layout)
-    m_run, m_use, l_acc, acc, i = _attend(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, main, 0, m_run,
-                                          m_use, l_acc, acc, scale_log2, D_QK)
     if HAS_X:
-        m_run, m_use, l_acc, acc, i = _attend(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, extra, i,
-                                              m_run, m_use, l_acc, acc, scale_log2, D_QK)
+        second = extra
+    else:
+        second = _alone(main)
+    m_run, m_use, l_acc, acc = _attend(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, main, second, m_run,
+                                       m_use, l_acc, acc, scale_log2, D_QK)
     rows_l: gl.constexpr = gl.SliceLayout(1, OUT_LAYOUT)
     out = gl.convert_layout(gl.permute(acc, (1, 0)), OUT_LAYOUT)
     _store_output(out, gl.convert_layout(gl.sum(l_acc, 0), rows_l), gl.convert_layout(m_use, rows_l),
                   gl.convert_layout(m_run, rows_l), out_args, PREFILL, SPLIT, HAS_SINK, 0)
-
-
-@gluon.jit
-def _fill(k_smem, kr_smem, ready, empty, src, i0, W: gl.constexpr, FMT: gl.constexpr):
-    """Worker ``W``'s blocks of one source (those whose program block number ``i`` is ``W`` modulo 2)."""
-    kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j0, j1 = src
-    BLOCK_N: gl.constexpr = k_smem.shape[1]
-    slots_l: gl.constexpr = _slots_layout(FMT, gl.num_warps())
-    first = j0 + (W + 2 - i0 % 2) % 2
-    slots = block_indices(idx_row_ptr, first, end, n_rows, BLOCK_N, slots_l)
-    next_slots = block_indices(idx_row_ptr, first + 2, end, n_rows, BLOCK_N, slots_l)
-    for j in range(first, j1, 2):
-        i = i0 + j - j0
-        codes, scales = _load_codes(kv_ptr, slots, stride_block, stride_row, page, FMT)
-        if FMT == FMT_V32_FP8:
-            rope_at, rope_ok = _rope_pointers(kv_ptr, slots, stride_block, stride_row, page)
-            rope = gl.load(rope_at, mask=rope_ok, other=0.0)
-        # The worker's next block's rows into L2 (its indices came an iteration ago: nothing waits for them);
-        # the indices of the one after travel meanwhile.
-        _prefetch_rows(kv_ptr, next_slots, stride_block, stride_row, page, FMT)
-        slots = next_slots
-        next_slots = block_indices(idx_row_ptr, j + 4, end, n_rows, BLOCK_N, slots_l)
-        mbarrier.wait(empty.index(W), ((i // 2) & 1) ^ 1)
-        if FMT == FMT_V32_FP8:
-            kr_smem.index(W).store(rope)
-        _store_dequantized(k_smem.index(W), codes, scales, FMT)
-        mbarrier.arrive(ready.index(W), count=1)
-    return i0 + gl.maximum(j1 - j0, 0)
 
 
 @gluon.jit
@@ -200,9 +174,7 @@ def _fill_partition(k_smem, kr_smem, ready, empty, main, extra, W: gl.constexpr,
     if FMT == FMT_BF16:
         _gather_fill(k_smem, kr_smem, ready, empty, main, W)
     else:
-        i = _fill(k_smem, kr_smem, ready, empty, main, 0, W, FMT)
-        if HAS_X:
-            _fill(k_smem, kr_smem, ready, empty, extra, i, W, X_FMT)
+        fill_sources(k_smem, kr_smem, ready, empty, main, extra, W, 2, FMT, X_FMT, HAS_X)
 
 
 @gluon.jit

@@ -11,9 +11,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from ..common import FMT_BF16
-from .dequant import OUTPUT_REGS, dequant_softmax_partition
+from .dequant import DEQUANT_REGS, OUTPUT_REGS, dequant_partition, softmax_output_partition
 from .few_heads import allocate_few_heads, attend_partition, fill_even, fill_odd, fill_warps, worker_regs
-from .partitions import (BLOCK_H, FILL_BY_SOFTMAX, FILL_GATHER, FILL_PAGES, REGS, VECTOR_LAYOUT, allocate,
+from .partitions import (BLOCK_H, FILL_BY_WORKER, FILL_GATHER, FILL_PAGES, REGS, VECTOR_LAYOUT, allocate,
                          load_queries, output_hi, output_lo, softmax_partition)
 
 
@@ -46,9 +46,9 @@ def dense_decode_hopper_kernel(
     k_layout: gl.constexpr = k_desc.layout
     if D_QK == 576:
         r_layout: gl.constexpr = r_desc.layout
-        q_smem, qr_smem, bufs, bars = allocate(k_desc.dtype, BLOCK_N, D_QK, NUM_STAGES, k_layout, r_layout, False)
+        q_smem, qr_smem, bufs, bars = allocate(k_desc.dtype, BLOCK_N, D_QK, NUM_STAGES, k_layout, r_layout, False, 2)
     else:  # no rope tiles
-        q_smem, qr_smem, bufs, bars = allocate(k_desc.dtype, BLOCK_N, D_QK, NUM_STAGES, k_layout, k_layout, False)
+        q_smem, qr_smem, bufs, bars = allocate(k_desc.dtype, BLOCK_N, D_QK, NUM_STAGES, k_layout, k_layout, False, 2)
     rows = r0 + gl.arange(0, BLOCK_H, layout=VECTOR_LAYOUT)
     load_queries(q_ptr, b.to(gl.int64) * sq_b + (rows // group) * sq_i + (rows % group) * sq_h, rows < q_rows,
                  q_smem, qr_smem, D_QK)
@@ -89,7 +89,7 @@ def sparse_prefill_hopper_kernel(
     out_args = (h_q, out_ptr, so_t, so_h, lse_ptr, max_ptr, sink_ptr, t, r0)
     if HEADS == 64:
         q_smem, qr_smem, bufs, bars = allocate(q_ptr.dtype.element_ty, BLOCK_N, D_QK, NUM_STAGES, K_LAYOUT,
-                                               R_LAYOUT, True)
+                                               R_LAYOUT, True, 2)
         idx_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, BLOCK_N],
                                              gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         load_queries(q_ptr, q_at, heads < h_q, q_smem, qr_smem, D_QK)
@@ -171,15 +171,15 @@ def sparse_decode_hopper_kernel(
     out_args = (h_q, out_ptr, so_t, 0, so_h, lse_ptr, sl_t, 0, 1, po_ptr, plse_ptr, sink_ptr,
                 t, r0, 1, h_q, h_q, num_splits, split)
     if HEADS == 64:
-        q_smem, qr_smem, bufs, bars = allocate(q_ptr.dtype.element_ty, BLOCK_N, D_QK, 2, K_LAYOUT, R_LAYOUT, False)
+        q_smem, qr_smem, bufs, bars = allocate(q_ptr.dtype.element_ty, BLOCK_N, D_QK, 2, K_LAYOUT, R_LAYOUT, False, 1)
         load_queries(q_ptr, q_at, heads < h_q, q_smem, qr_smem, D_QK)
         sched = (0, 0, 0, 0, 0, 0, 0, 0, 0, b0, b1, 0)  # the output partitions read the block range only
         gl.warp_specialize([
-            (dequant_softmax_partition, (q_smem, qr_smem, bufs, bars, main, extra, scale_log2, D_QK, FMT, X_FMT,
-                                         HAS_X)),
-            (output_lo, (bufs, bars, sched, out_args, D_QK, 2, FILL_BY_SOFTMAX, SPLIT, HAS_SINK)),
-            (output_hi, (bufs, bars, sched, out_args, D_QK, 2, FILL_BY_SOFTMAX, SPLIT, HAS_SINK)),
-        ], [4, 4], [OUTPUT_REGS, OUTPUT_REGS])
+            (softmax_output_partition, (q_smem, qr_smem, bufs, bars, main, extra, scale_log2, out_args, D_QK,
+                                        HAS_X, SPLIT, HAS_SINK)),
+            (output_hi, (bufs, bars, sched, out_args, D_QK, 2, FILL_BY_WORKER, SPLIT, HAS_SINK)),
+            (dequant_partition, (bufs, bars, main, extra, FMT, X_FMT, HAS_X)),
+        ], [4, 4], [OUTPUT_REGS, DEQUANT_REGS])
     else:
         q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty = allocate_few_heads(
             q_ptr.dtype.element_ty, HEADS, BLOCK_N, D_QK, K_LAYOUT, R_LAYOUT)

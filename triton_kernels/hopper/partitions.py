@@ -45,11 +45,11 @@ WIDE_ROWS_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]
 VECTOR_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # 64 indices over a warpgroup
 GATHER_ROWS = gl.constexpr(16)  # rows a gather step: few 64-bit addresses live beside the accumulator
 # Who fills the key stages (the output partitions' FILL): the first output warpgroup by TMA (dense pages),
-# each output warpgroup its own columns by gathers (sparse prefill), or the softmax warpgroup (dequantized
-# rows, ``dequant.py``).
+# each output warpgroup its own columns by gathers (sparse prefill), or a dequantizing warpgroup of its own
+# (quantized rows, ``dequant.py``), to which the output warpgroups give each stage back.
 FILL_PAGES = gl.constexpr(0)
 FILL_GATHER = gl.constexpr(1)
-FILL_BY_SOFTMAX = gl.constexpr(2)
+FILL_BY_WORKER = gl.constexpr(2)
 
 
 @gluon.constexpr_function
@@ -295,9 +295,10 @@ def _output_partition(bufs, bars, sched, out_args, D_QK: gl.constexpr, NUM_STAGE
                 _zero_keys_beyond(v, j * BLOCK_N, length)
         acc = warpgroup_mma(p_smem, v, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        # Refill the stage the moment it is free: loads are the critical path. (FILL_BY_SOFTMAX: the softmax
-        # warpgroup refills it once it may publish the next P, which implies this product is done.)
-        if FILL == FILL_GATHER:
+        # Refill the stage the moment it is free: loads are the critical path.
+        if FILL == FILL_BY_WORKER:
+            mbarrier.arrive(kv_empty.index(stage), count=1)
+        elif FILL == FILL_GATHER:
             # Each warpgroup gathers its own columns (the second one the rope tail too): its half is free as
             # soon as its own product is done; S of this block finished before P was published.
             if j + NUM_STAGES < j1:
@@ -382,8 +383,9 @@ def output_hi(bufs, bars, sched, out_args, D_QK: gl.constexpr, NUM_STAGES: gl.co
 
 @gluon.jit
 def allocate(dtype: gl.constexpr, BLOCK_N: gl.constexpr, D_QK: gl.constexpr, NUM_STAGES: gl.constexpr,
-             k_layout: gl.constexpr, r_layout: gl.constexpr, SPARSE: gl.constexpr):
-    """Shared memory and barriers of one program: ``(q_smem, qr_smem, bufs, bars)``."""
+             k_layout: gl.constexpr, r_layout: gl.constexpr, SPARSE: gl.constexpr, P_READERS: gl.constexpr):
+    """Shared memory and barriers of one program: ``(q_smem, qr_smem, bufs, bars)``. ``P_READERS``: the
+    warpgroups other than the softmax's that multiply each P (they release its buffer)."""
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, 512],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_H, 512], dtype))
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, 512], k_layout)
@@ -413,7 +415,7 @@ def allocate(dtype: gl.constexpr, BLOCK_N: gl.constexpr, D_QK: gl.constexpr, NUM
         mbarrier.init(kv_empty.index(s), count=2)  # released by both output warpgroups
     mbarrier.init(alpha_ready, count=1)
     mbarrier.init(p_ready, count=1)
-    mbarrier.init(p_empty, count=2)
+    mbarrier.init(p_empty, count=P_READERS)
     mbarrier.init(done, count=1)
     bufs = (k_smem, kr_smem, p_smem, alpha_smem, l_smem, m_smem, mrun_smem)
     bars = (kv_ready, kv_empty, alpha_ready, p_ready, p_empty, done)
