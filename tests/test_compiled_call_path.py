@@ -656,3 +656,18 @@ def test_build_ignores_a_lock_left_behind_and_reuses_its_library(tmp_path):
     assert all(run.stdout.strip().endswith("in use") for run in runs), [run.stdout for run in runs]
     built = [p.name for p in stale.iterdir()]
     assert built and all(not name.startswith(native.NAME + "-") for name in built), built  # no private directory left
+
+
+def test_prepare_waits_for_the_build_at_most_its_timeout(monkeypatch):
+    """A build that does not end (a stuck compiler) leaves prepare's caller on the Python path after the timeout,
+    saying so, instead of waiting forever."""
+    import threading
+    release = threading.Event()
+    monkeypatch.setattr(native, "_why_not_buildable", lambda: None)
+    monkeypatch.setattr(native, "_build", lambda: release.wait(60))
+    for key, value in (("module", None), ("thread", None), ("reason", "not built yet")):
+        monkeypatch.setitem(native._state, key, value)
+    said = callpath.prepare(torch.device("cuda"), timeout=0.2)
+    release.set()
+    native._state["thread"].join()
+    assert said == "compiled call path: not in use (still being built after 0.2 s)", said

@@ -260,11 +260,12 @@ def _register(mod, decision, op: int, args: tuple, result: tuple, watch: Watch, 
         raise Refused(f"the extension took no entry: {e}") from None
 
 
-def prepare(device) -> str:
-    """Build the extension for calls on ``device`` and wait for it (benchmarks and :func:`anymla.warmup`
-    measure and warm the path users get); what it says: built, or why calls keep the Python path."""
+def prepare(device, timeout: float = 300.0) -> str:
+    """Build the extension for calls on ``device`` and wait for it, at most ``timeout`` seconds (benchmarks and
+    :func:`anymla.warmup` measure and warm the path users get); what it says: built, or why calls keep the
+    Python path."""
     if getattr(device, "type", device) == "cuda":
-        native.build(wait=True)
+        native.build(wait=True, timeout=timeout)
     why = native.reason()
     return "compiled call path: " + (f"not in use ({why})" if why else "in use")
 

@@ -111,8 +111,9 @@ def configure(mod, test_launcher=None) -> None:
     mod.configure(get_device, get_stream, test_launcher)
 
 
-def build(wait: bool = False) -> None:
-    """Start building the extension (once; nothing when it is built or cannot be); ``wait`` for it."""
+def build(wait: bool = False, timeout: Optional[float] = None) -> None:
+    """Start building the extension (once; nothing when it is built or cannot be); ``wait`` for it, at most
+    ``timeout`` seconds (the build goes on in the background after that, and :func:`reason` says so)."""
     with _lock:
         if _state["module"] is None and _state["thread"] is None:
             why = _why_not_buildable()
@@ -124,4 +125,6 @@ def build(wait: bool = False) -> None:
             _state["thread"].start()
         thread = _state["thread"]
     if wait and thread is not None:
-        thread.join()
+        thread.join(timeout)
+        if thread.is_alive():
+            _state["reason"] = f"still being built after {timeout:g} s"
