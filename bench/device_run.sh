@@ -15,7 +15,8 @@
 #   bench     python -m anymla.bench ($BENCH_ARGS, default --suite canonical --suite tp), FlashMLA included
 #   layer     python -m anymla.bench.layer ($LAYER_ARGS, e.g. --writers-only --writer-tiles 4x1,8x2)
 #   ncu       Nsight Compute on one kernel launch of each of $NCU_CASES (cases of $NCU_SUITE, default tp; kernels
-#             matching $NCU_KERNEL; $NCU_ARGS passed on to bench.profile_case, e.g. --portable)
+#             matching $NCU_KERNEL; $NCU_ARGS passed on to bench.profile_case, e.g. --portable): the report, its
+#             details page and its SASS source page as CSV (stall samples an instruction)
 # Makes `anymla` importable without pip (the folders map onto the package as in pyproject.toml) and leaves logs
 # and CSVs in $OUT (default ./device_out).
 set -uo pipefail
@@ -61,13 +62,16 @@ for part in "${parts[@]}"; do
     ncu)
       for c in ${NCU_CASES:-tp-sdecode-v32-b128-h16}; do
         # shellcheck disable=SC2086
+        rep="$OUT/ncu_$c${NCU_ARGS:+_portable}"
         timeout 300 ncu --clock-control none -k "regex:${NCU_KERNEL:-.}" --launch-skip 2 --launch-count 1 \
           --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-          --section Occupancy --section LaunchStats --section SourceCounters \
-          python3 -m anymla.bench.profile_case --suite "${NCU_SUITE:-tp}" --case "$c" ${NCU_ARGS:-} \
-          > "$OUT/ncu_$c${NCU_ARGS:+_portable}.txt" 2>&1
+          --section Occupancy --section LaunchStats --section SourceCounters -f -o "$rep" \
+          python3 -m anymla.bench.profile_case --suite "${NCU_SUITE:-tp}" --case "$c" ${NCU_ARGS:-} > "$rep.log" 2>&1
+        ncu -i "$rep.ncu-rep" --page details > "$rep.txt" 2>&1
+        # Stall samples a SASS instruction: which warpgroup of a warp-specialized kernel waits, and on what
+        ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.sass.csv" 2>&1
         grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Stall|Issued Warp|No Eligible|Registers|Shared Memory Config|L2 Hit|L1/TEX Hit|==PROF==|rror" \
-          "$OUT/ncu_$c${NCU_ARGS:+_portable}.txt" | head -40
+          "$rep.txt" "$rep.log" | head -40
       done ;;
     layer)
       # shellcheck disable=SC2086
