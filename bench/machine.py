@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib.metadata
+import importlib.util
 import os
 import platform
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ class RunInfo:
     torch: str
     triton: str
     anymla: str
+    source: str  # source_digest(): which code ran, where the tree has no version control (a device's copy)
     interpreter: bool  # the Triton tier ran in Triton's interpreter (CPU): its times are interpreter times
     stand_in: str = ""  # what the run measured instead of the shipped path (stand_in()); "" for the shipped path
 
@@ -51,6 +54,38 @@ def device_name(device: torch.device) -> str:
     return f"{_cpu_name()} ({os.cpu_count()} cores)"
 
 
+SUBPACKAGES = ("triton_kernels", "ascendc_kernels", "bench")
+SOURCE_SUFFIXES = (".py", ".cpp", ".h", ".sh")
+
+
+def source_digest() -> str:
+    """The first 12 hex digits of ``digest_of`` the installed package: equal digests, the same code. The
+    subpackages are found where Python imports them from (``pip install -e`` maps folders of the repository's
+    top onto them)."""
+    roots = {"": os.path.dirname(anymla.__file__)}
+    for name in SUBPACKAGES:
+        roots[name] = importlib.util.find_spec(f"anymla.{name}").submodule_search_locations[0]
+    return digest_of(roots)[:12]
+
+
+def digest_of(roots: dict[str, str]) -> str:
+    """SHA-256 over the source files below each of ``roots`` (name -> folder; paths and bytes, in path order),
+    caches, built libraries and committed results left out, and the top root's folders named after the others
+    (a layout whose top folder links to them) counted once."""
+    digest = hashlib.sha256()
+    for name, root in sorted(roots.items()):
+        for folder, subfolders, files in os.walk(root, followlinks=True):
+            at_top = folder == root
+            subfolders[:] = sorted(d for d in subfolders if d not in ("__pycache__", "results", "lib")
+                                   and not (at_top and name == "" and d in roots))
+            for file in sorted(f for f in files if f.endswith(SOURCE_SUFFIXES)):
+                path = os.path.join(folder, file)
+                digest.update(os.path.join(name, os.path.relpath(path, root)).encode() + b"\0")
+                with open(path, "rb") as f:
+                    digest.update(f.read())
+    return digest.hexdigest()
+
+
 def mma_v3_disabled() -> bool:
     """DISABLE_MMA_V3 as Triton reads it (1, true or on, any case): tl.dot lowered to mma.sync, not wgmma."""
     return os.environ.get("DISABLE_MMA_V3", "").lower() in ("1", "true", "on")
@@ -75,5 +110,5 @@ def describe(device: torch.device, portable: bool = False) -> RunInfo:
         timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         device=str(device), device_name=device_name(device), torch=torch.__version__,
         triton=_distribution_version("triton", "triton-ascend"), anymla=anymla.__version__,
-        interpreter=device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1",
+        source=source_digest(), interpreter=device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1",
         stand_in=stand_in(portable))

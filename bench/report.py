@@ -15,8 +15,8 @@ from .machine import STAND_INS, RunInfo
 from .runner import OK, CaseOutcome
 
 TRITON_TIER = "triton"
-COLUMNS = ("timestamp", "device", "device_name", "torch", "triton", "anymla", "stand_in", "suite", "case", "op",
-           "shape", "backend", "status", "note", "timer", "median_us", "p20_us", "p80_us", "reps", "eager_us",
+COLUMNS = ("timestamp", "device", "device_name", "torch", "triton", "anymla", "source", "stand_in", "suite", "case",
+           "op", "shape", "backend", "status", "note", "timer", "median_us", "p20_us", "p80_us", "reps", "eager_us",
            "host_us", "host_first_us", "host_all_us", "flops", "bytes",
            "tflops", "gbps", "floor_us", "bound", "frac_of_floor", "copy_gbps", "matmul_tflops", "ratio_to_matmul",
            "ratio_to_copy", "dispatcher_choice", "fastest", "anchor_flashmla_us", "anchor_triton",
@@ -161,7 +161,7 @@ def ab_lines(outcomes: list[CaseOutcome], baseline: str, target: str) -> list[st
 
 def header_lines(info: RunInfo, ceilings: Ceilings) -> list[str]:
     lines = [f"anymla.bench on {info.device} ({info.device_name}); torch {info.torch}, triton {info.triton}, "
-             f"anymla {info.anymla}; {info.timestamp}",
+             f"anymla {info.anymla} (source {info.source}); {info.timestamp}",
              f"ceilings measured in this run (the better of its start and end): {ceilings.describe()}",
              "GPU µs: CUDA-graph replay (calls under 1 ms) or device events, L2 flushed; eager µs: wall time per call "
              "of back-to-back eager calls; host µs: enqueueing one call with the GPU kept busy, the lowest of five "

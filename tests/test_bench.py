@@ -177,9 +177,9 @@ def test_csv_has_one_row_per_shape_and_backend(tmp_path):
     report.write_csv(str(path), report.csv_rows(outcomes, info, ceilings))
     with open(path) as f:
         rows = list(csv.DictReader(f))
-    required = {"timestamp", "device", "device_name", "torch", "triton", "anymla", "suite", "op", "shape",
-                "backend", "status", "median_us", "p20_us", "p80_us", "reps", "eager_us", "host_us", "flops", "bytes",
-                "tflops", "gbps",
+    required = {"timestamp", "device", "device_name", "torch", "triton", "anymla", "source", "suite", "op",
+                "shape", "backend", "status", "median_us", "p20_us", "p80_us", "reps", "eager_us", "host_us", "flops",
+                "bytes", "tflops", "gbps",
                 "floor_us", "frac_of_floor", "copy_gbps", "matmul_tflops", "ratio_to_matmul", "ratio_to_copy",
                 "dispatcher_choice", "fastest"}
     assert required <= set(rows[0])
@@ -427,3 +427,23 @@ def test_overhead_replays_a_calls_c_launchers_with_its_final_arguments(monkeypat
     monkeypatch.setattr(overhead, "_eager", lambda fn, device: (fn(), 0.0, 0.0))
     overhead._c_launches_alone(lambda: launch._launch_compiled((5, 2, 1), [t, 7, 0.5]), torch.device("cpu"))
     assert runs == [(5, 2, 1, "stream", "fn", "meta", None, None, None, t.data_ptr(), 7, 0.5)] * 2
+
+
+def test_the_source_digest_names_the_code_and_only_the_code(tmp_path):
+    """Results carry a digest of the package's sources: it follows any source byte and ignores caches, results and
+    a top folder's links to the subpackages (the layout a device's copy uses)."""
+    from anymla.bench.machine import digest_of, source_digest
+    top, sub = tmp_path / "top", tmp_path / "bench"
+    (top / "__pycache__").mkdir(parents=True)
+    (sub / "results").mkdir(parents=True)
+    (top / "api.py").write_text("x = 1\n")
+    (sub / "run.py").write_text("y = 2\n")
+    roots = {"": str(top), "bench": str(sub)}
+    first = digest_of(roots)
+    (top / "__pycache__" / "api.cpython.pyc").write_bytes(b"\0")
+    (sub / "results" / "table.py").write_text("z = 3\n")
+    (top / "bench").symlink_to(sub)
+    assert digest_of(roots) == first
+    (sub / "run.py").write_text("y = 3\n")
+    assert digest_of(roots) != first
+    assert len(source_digest()) == 12 and source_digest() == describe(CPU).source
