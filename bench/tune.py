@@ -33,7 +33,8 @@ def write_tuning(path: str, outcomes: list[CaseOutcome], info: RunInfo) -> dict:
             document = json.load(f)
     new = {_key(o): o.fastest for o in outcomes if o.decision is not None and o.fastest}
     document["choices"].update(new)
-    document["measured_on"] = f"{info.device_name}, torch {info.torch}, triton {info.triton}, {info.timestamp}"
+    document["measured_on"] = (f"{info.device_name}, torch {info.torch}, triton {info.triton}, anymla source "
+                               f"{info.source}, {info.timestamp}")
     with open(path, "w") as f:
         json.dump(document, f, indent=1, sort_keys=True)
     return new
