@@ -8,8 +8,8 @@ the softmax and O's first 256 columns, the other O's last 256 (``FILL_BY_WORKER`
 warpgroup converted each block between its S products (run 24) and the conversion sat on its chain (run 122,
 ``../sparse_mla/NOTES.md``). The few-head kernel (``few_heads.py``) has two, taking turns.
 
-Formats (``anymla.kvcache``): V3.2 FP8 (656 bytes: 512 e4m3, 4 fp32 scales a 128 columns, 64 bf16 rope values), V4.1 FP8 (528 bytes: 512 e4m3, 16 e8m0 scales a 32
-columns), V4.1 FP4 (288 bytes: 512 e2m1, 32 e4m3 scales a 16 columns) and MODEL1/V4 FP8 (per block: rows of
+Formats (``anymla.kvcache``): V3.2 FP8 (656 bytes: 512 e4m3, 4 fp32 scales a 128 columns, 64 bf16 rope
+values), V4.1 FP8 (528 bytes: 512 e4m3, 16 e8m0 scales a 32 columns), V4.1 FP4 (288 bytes: 512 e2m1, 32 e4m3 scales a 16 columns) and MODEL1/V4 FP8 (per block: rows of
 448 e4m3 and 64 bf16 rope values, the latent's columns [448, 512), then every row's 8 e8m0 scale bytes, 7 used, a
 64 columns). An extra cache is a second source: its blocks follow the main cache's under one softmax.
 """
@@ -244,9 +244,26 @@ def _prefetch_block(first, second, n_first, k, slots, FMT: gl.constexpr):
 
 @gluon.jit
 def _alone(src):
-    """``src`` with an empty block range: the second source of ``_attend_sources`` over one source only."""
+    """``src`` with an empty block range: the second source of a walk over one source only."""
     kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j0, j1 = src
     return kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j1, j1
+
+
+@gluon.jit
+def second_source(main, extra, HAS_X: gl.constexpr):
+    """The source a walk over a program's key blocks takes after ``main``: the extra cache, or none."""
+    if HAS_X:
+        second = extra
+    else:
+        second = _alone(main)
+    return second
+
+
+@gluon.jit
+def block_counts(first, second):
+    """``(n_first, n)``: the key blocks of ``first`` and of both sources, a walk's ``k`` running over ``[0, n)``."""
+    n_first = gl.maximum(first[8] - first[7], 0)
+    return n_first, n_first + gl.maximum(second[8] - second[7], 0)
 
 
 @gluon.jit
@@ -259,8 +276,7 @@ def fill_stages(k_smem, kr_smem, ready, empty, first, second, i0, W: gl.constexp
     in bf16. Returns the program block number after both sources."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     slots_l: gl.constexpr = _slots_layout(FMT, gl.num_warps())
-    n_first = gl.maximum(first[8] - first[7], 0)
-    n = n_first + gl.maximum(second[8] - second[7], 0)
+    n_first, n = block_counts(first, second)
     k0 = (W + NW - i0 % NW) % NW
     slots = _slots_at(first, second, n_first, k0, BLOCK_N, slots_l)
     next_slots = _slots_at(first, second, n_first, k0 + NW, BLOCK_N, slots_l)
@@ -327,12 +343,8 @@ def softmax_output_partition(q_smem, qr_smem, bufs, bars, main, extra, scale_log
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     pos_l: gl.constexpr = gl.SliceLayout(0, s_layout)
-    if HAS_X:
-        second = extra
-    else:
-        second = _alone(main)
-    n_first = gl.maximum(main[8] - main[7], 0)
-    n = n_first + gl.maximum(second[8] - second[7], 0)
+    second = second_source(main, extra, HAS_X)
+    n_first, n = block_counts(main, second)
     m_run = gl.full([BLOCK_H], NEG, gl.float32, row_l)
     m_use = gl.full([BLOCK_H], NEG, gl.float32, row_l)
     l = gl.zeros([BLOCK_H], gl.float32, row_l)

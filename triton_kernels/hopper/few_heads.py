@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ..common import FMT_BF16, FMT_V41_FP8
-from .dequant import _alone, _slots_at, fill_sources
+from .dequant import _slots_at, block_counts, fill_sources, second_source
 from .partitions import (NEG, RESCALE_THRESHOLD_LOG2, ROWS_LAYOUT, WIDE_ROWS_LAYOUT, _store_output, block_indices,
                          exp2_approx, warpgroup_mma_layout)
 
@@ -73,8 +73,7 @@ def _attend(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, first, secon
     HEADS: gl.constexpr = q_smem.shape[0]
     s_layout: gl.constexpr = warpgroup_mma_layout(HEADS)
     pos_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-    n_first = gl.maximum(first[8] - first[7], 0)
-    n = n_first + gl.maximum(second[8] - second[7], 0)
+    n_first, n = block_counts(first, second)
     slots = _slots_at(first, second, n_first, 0, BLOCK_N, pos_l)
     for i in range(0, n):
         stage = i % 2
@@ -119,10 +118,7 @@ def attend_partition(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, mai
     m_use = gl.full([HEADS], NEG, gl.float32, head_l)
     l_acc = gl.zeros([BLOCK_N, HEADS], gl.float32, s_layout)
     acc = gl.zeros([512, HEADS], gl.float32, s_layout)
-    if HAS_X:
-        second = extra
-    else:
-        second = _alone(main)
+    second = second_source(main, extra, HAS_X)
     m_run, m_use, l_acc, acc = _attend(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, main, second, m_run,
                                        m_use, l_acc, acc, scale_log2, D_QK)
     rows_l: gl.constexpr = gl.SliceLayout(1, OUT_LAYOUT)
