@@ -16,7 +16,8 @@
 #   layer     python -m anymla.bench.layer ($LAYER_ARGS, e.g. --writers-only --writer-tiles 4x1,8x2)
 #   ncu       Nsight Compute on one kernel launch of each of $NCU_CASES (cases of $NCU_SUITE, default tp; kernels
 #             matching $NCU_KERNEL; $NCU_ARGS passed on to bench.profile_case, e.g. --portable): the report, its
-#             details page and its SASS source page as CSV (stall samples an instruction)
+#             details page, its SASS source page as CSV (stall samples an instruction) and that page summed per
+#             warp-specialized partition with its mbarrier retry counts (bench.stall_regions)
 # Makes `anymla` importable without pip (the folders map onto the package as in pyproject.toml) and leaves logs
 # and CSVs in $OUT (default ./device_out).
 set -uo pipefail
@@ -70,6 +71,8 @@ for part in "${parts[@]}"; do
         ncu -i "$rep.ncu-rep" --page details > "$rep.txt" 2>&1
         # Stall samples a SASS instruction: which warpgroup of a warp-specialized kernel waits, and on what
         ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.sass.csv" 2>&1
+        python3 -m anymla.bench.stall_regions "$rep.sass.csv" > "$rep.stalls.txt" 2>&1
+        grep -A1 "^== " "$rep.stalls.txt" | head -24
         grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Stall|Issued Warp|No Eligible|Registers|Shared Memory Config|L2 Hit|L1/TEX Hit|==PROF==|rror" \
           "$rep.txt" "$rep.log" | head -40
       done ;;

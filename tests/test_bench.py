@@ -447,3 +447,31 @@ def test_the_source_digest_names_the_code_and_only_the_code(tmp_path):
     (sub / "run.py").write_text("y = 3\n")
     assert digest_of(roots) != first
     assert len(source_digest()) == 12 and source_digest() == describe(CPU).source
+
+
+def test_stall_regions_split_a_source_page_at_each_register_budget(tmp_path):
+    """An Nsight Compute source page is cut at every SETMAXREG; samples, executed instructions and stall reasons
+    add up within each region, and every mbarrier wait is listed with its count."""
+    from anymla.bench import stall_regions
+    header = ["Address", "Source", stall_regions.SAMPLES, stall_regions.EXECUTED, "stall_long_sb", "stall_selected",
+              "stall_long_sb (Not Issued)"]
+    rows = [("0x00", "S2R R0, SR_TID.X", "2", "8", "0", "2", "0"),
+            ("0x10", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0x80", "1", "4", "1", "0", "9"),
+            ("0x20", "LDG.E.64 R2, desc[UR4][R4.64]", "30", "40", "25", "5", "9"),
+            ("0x30", "USETMAXREG.DEALLOC.CTAPOOL 0xd8", "3", "4", "0", "3", "9"),
+            ("0x40", "SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [R194+URZ+0x32700], R153", "64", "1,234", "60", "4", "9")]
+    path = tmp_path / "page.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Kernel Name", "k"])
+        w.writerow(header)
+        w.writerows(rows)
+    found = stall_regions.regions(stall_regions.read_source_page(str(path)))
+    assert [r.start.split(" @")[0] for r in found] == ["kernel entry", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0x80",
+                                                      "USETMAXREG.DEALLOC.CTAPOOL 0xd8"]
+    assert [r.samples for r in found] == [2, 31, 67] and [r.executed for r in found] == [8, 44, 1238]
+    assert found[1].stalls == {"long_sb": 26, "selected": 5} and found[2].stalls["long_sb"] == 60
+    assert stall_regions.barrier_waits(stall_regions.read_source_page(str(path))) == [
+        ("0x40", rows[4][1], 1234.0)]
+    text = stall_regions.report(str(path), top=1)
+    assert "31.0% of the samples" in text and "executed 1234" in text
