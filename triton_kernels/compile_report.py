@@ -1,6 +1,7 @@
 """Offline resource report: compile the kernels for a GPU architecture on any machine, no GPU needed.
 
     python -m anymla.triton_kernels.compile_report [--arch 90|100|120|80|86|89|gfx942|gfx90a] [--shipped] [LABEL]
+    python -m anymla.triton_kernels.compile_report --ampere [--arch 80|86|89|90|120] [--sass]
 
 Triton's wheel ships ptxas and the AMD linker, so registers, spills and shared memory of every tile
 configuration can be read before spending device time: a config that spills or needs more than the shared
@@ -120,15 +121,49 @@ def _usage(compiled, arch: Arch) -> tuple[int, int]:
 
 
 def report(kernel, pointer_types: dict, constexprs: dict, num_warps: int, arch: Arch = ARCHS["90"],
-           source=ASTSource, **options) -> dict:
+           source=ASTSource, sass: bool = False, **options) -> dict:
+    """``sass``: also count the main loop's instructions (``loop_counts``; NVIDIA only)."""
     t0 = time.time()
     src = source(kernel, _signature(kernel, pointer_types, constexprs), constexprs, _divisibility(kernel, constexprs))
     compiled = triton.compile(src, target=GPUTarget(arch.backend, arch.name, arch.warp),
                               options=dict(num_warps=num_warps, **options))
     regs, spills = _usage(compiled, arch)
     smem = compiled.metadata.shared
-    return dict(regs=regs, spill_bytes=spills, smem=smem, fits=smem <= arch.smem,
-                prefetch=_prefetch_groups(compiled.asm["ttgir"]), compile_s=round(time.time() - t0, 1))
+    r = dict(regs=regs, spill_bytes=spills, smem=smem, fits=smem <= arch.smem,
+             prefetch=_prefetch_groups(compiled.asm["ttgir"]), compile_s=round(time.time() - t0, 1))
+    if sass:
+        r["loop"] = loop_counts(compiled.asm["cubin"])
+    return r
+
+
+_LOOP_OPS = ("HMMA", "LDSM", "LDGSTS", "BAR", "LDS", "STS", "STSM", "SHFL", "MUFU")
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def loop_counts(cubin: bytes) -> dict:
+    """Instructions a warp issues in one iteration of the kernel's longest loop (the span of its longest
+    backward branch in the SASS, read with the wheel's ``cuobjdump``): ``total`` and, by opcode (the part
+    before the first dot), those of ``_LOOP_OPS``; ``LDSM_bytes``: what its ``ldmatrix`` read from shared memory.
+    Never-executed ``@!PT`` instructions are left out."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    code = [(int(addr, 16), op, args) for addr, pred, op, args in _SASS_LINE.findall(sass)
+            if pred.strip() != "@!PT"]
+    # (a loop's branch may be predicated on a uniform register: ``BRA.U UP0, 0x...``)
+    loops = [(int(t.group(1), 16), addr) for addr, op, args in code if op.split(".")[0] == "BRA"
+             for t in [re.search(r"0x([0-9a-f]+)\s*$", args)] if t and int(t.group(1), 16) < addr]
+    if not loops:
+        return {}
+    start, end = max(loops, key=lambda b: b[1] - b[0])
+    body = [op for addr, op, _ in code if start <= addr <= end and op != "NOP"]
+    kinds = [op.split(".")[0] for op in body]
+    # ldmatrix moves 8 x 8 16-bit values (128 bytes) a matrix, .x1 / .x2 / .x4 matrices an instruction
+    ldsm_bytes = sum(128 * int(op.rsplit(".", 1)[1]) for op in body if op.startswith("LDSM"))
+    return {"total": len(body), **{name: kinds.count(name) for name in _LOOP_OPS}, "LDSM_bytes": ldsm_bytes}
 
 
 def _prefetch_groups(ttgir: str) -> int:
@@ -277,6 +312,27 @@ def hopper_reports() -> list:
              budgets.get(label, 64)) for label, kernel, ptrs, consts in jobs]
 
 
+AMPERE_ARCHS = ("80", "86", "89", "90", "120")
+
+
+def ampere_reports(arch: Arch, sass: bool = False) -> list:
+    """(label, report, expected shared memory) of the ``mma_v2`` sparse prefill kernel (``ampere/``) at d_qk
+    576 and 512, with the tile its launch picks for ``arch``'s shared memory (``launch.choose_tile``); the
+    expected bytes are the launch's own estimate, which must match what the compiler allocated."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from .ampere.kernel import sparse_prefill_mma_v2_kernel
+    from .ampere.launch import K_STEP, choose_tile, shared_bytes
+    ptrs = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "idx_ptr": "*i32", "len_ptr": "*i32",
+            "sink_ptr": "*fp32", "lse_ptr": "*fp32", "max_ptr": "*fp32"}
+    jobs = []
+    for d in (576, 512):
+        block_n, stages = choose_tile(d, arch.smem)
+        consts = dict(D_QK=d, HAS_LEN=True, HAS_SINK=True, BLOCK_N=block_n, NUM_STAGES=stages, K_STEP=K_STEP)
+        r = report(sparse_prefill_mma_v2_kernel, ptrs, consts, 8, arch, GluonASTSource, sass=sass)
+        jobs.append((f"mma_v2 prefill d{d} BN {block_n} x{stages}", r, shared_bytes(d, block_n, stages)))
+    return jobs
+
+
 def _line(label: str, tile: Optional[TileConfig], r: dict) -> str:
     """``tile``: None for the Hopper kernels, whose label names their form."""
     return (f"{label:30s} {tile or ''}  regs {r['regs']:3d} spill {r['spill_bytes']:5d} B smem {r['smem']:6d} "
@@ -293,10 +349,24 @@ def main() -> None:
                          "it fits; exit status 1 if a shipped config does not fit as shipped or spills more than "
                          "the arch's budget")
     ap.add_argument("--hopper", action="store_true", help="the Gluon kernels of hopper/ (sm_90, shipped tile)")
+    ap.add_argument("--ampere", action="store_true",
+                    help="the Gluon mma_v2 prefill kernel of ampere/ for --arch (one of %s) with the tile its launch "
+                         "picks; exit status 1 if it spills, does not fit or its launch misjudges its shared "
+                         "memory" % ", ".join(AMPERE_ARCHS))
+    ap.add_argument("--sass", action="store_true", help="with --ampere: instructions a warp issues a key block")
     ap.add_argument("only", nargs="?", default="", help="only kernels whose label contains this")
     a = ap.parse_args()
     arch = ARCHS[a.arch]
     print(f"{a.arch} ({arch.kind}): a block may use {arch.smem} bytes of shared memory", flush=True)
+    if a.ampere:
+        if a.arch not in AMPERE_ARCHS:
+            raise SystemExit(f"--ampere builds for {', '.join(AMPERE_ARCHS)}")
+        for label, r, expected in ampere_reports(arch, a.sass):
+            print(_line(label, None, r) + (f"  loop {r['loop']}" if a.sass else ""), flush=True)
+            if not r["fits"] or r["spill_bytes"] != 0 or r["smem"] != expected:
+                raise SystemExit(f"{label}: spills, does not fit sm_{a.arch} or needs {r['smem']} bytes of shared "
+                                 f"memory where its launch expects {expected}")
+        return
     if a.hopper:
         for label, r, spill_budget in hopper_reports():
             print(_line(label, None, r), flush=True)
