@@ -18,8 +18,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from ..hopper.partitions import NEG, RESCALE_THRESHOLD_LOG2, _store_output, block_indices, exp2_approx
 
-BLOCK_H = gl.constexpr(64)
-NUM_WARPS = gl.constexpr(8)
+BLOCK_H = gl.constexpr(64)  # the layouts below are written for 8 warps (launch: num_warps=8)
 # 16-byte pieces (8 columns a thread) for the copies: a warp covers one row of 256 columns (latent tiles) or
 # 4 rows of 64 (rope tiles, and the queries 64 columns at a time).
 WIDE_ROWS = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
