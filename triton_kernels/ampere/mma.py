@@ -1,0 +1,149 @@
+"""What the ``mma_v2`` kernels of this folder share: their layouts, the query staging and one key block's
+attention (S = q·kᵀ, the online softmax, P through shared memory, O += P·V) on 64 heads and 8 warps.
+
+Why hand-chosen layouts (``NOTES.md``): Triton gives both products ``warpsPerCTA = [1, 8]``, so every warp
+reads all of q each block. Here both products share one mma layout, warps ``[2, 4]``: a warp owns 32 heads,
+BLOCK_N / 4 keys of S and 128 columns of O, so q is read 4 times a block, not 8, and the row statistics of S
+and O lie in the same registers (the rescale needs no layout change). S is two accumulators (d split in halves,
+summed at the end): twice the independent ``HMMA`` chains a warp.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from ..hopper.partitions import NEG, RESCALE_THRESHOLD_LOG2, block_indices, exp2_approx
+
+BLOCK_H = gl.constexpr(64)  # the layouts below are written for 8 warps (launch: num_warps=8)
+# 16-byte pieces (8 columns a thread) for the copies: a warp covers one row of 256 columns (latent tiles) or
+# 4 rows of 64 (rope tiles, and the queries 64 columns at a time).
+WIDE_ROWS = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
+ROWS = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))
+# Triton 3.7 renamed the CTA barrier.
+barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+
+
+@gluon.constexpr_function
+def mma_layout(block_n):
+    """S [64, BLOCK_N] and O [64, 512]: 2 x 4 warps. BLOCK_N 16 leaves too few keys for 4 warp columns of 8-key
+    mma tiles: S then takes 4 x 2 warps (its row statistics are converted to O's rows)."""
+    cols = min(4, block_n // 8)
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[8 // cols, cols], instr_shape=[16, 8])
+
+
+@gluon.constexpr_function
+def o_layout():
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 4], instr_shape=[16, 8])
+
+
+@gluon.constexpr_function
+def operand_smem(cols):
+    """Swizzled rows of ``cols`` 16-bit values: the 16-byte pieces that one ``ldmatrix`` reads from 8 rows lie
+    in 8 different bank groups (XOR of the piece index with the row's phase)."""
+    row_bytes = 2 * cols
+    return gl.SwizzledSharedLayout(8, max(1, 128 // row_bytes), min(8, row_bytes // 16), [1, 0])
+
+
+@gluon.jit
+def copy_rows(dst, src_ptr, row_at, ok, col0, LAYOUT: gl.constexpr):
+    """``cp.async`` columns ``[col0, col0 + width)`` of the rows at element offsets ``row_at`` into ``dst``
+    [rows, width]; rows with ``ok`` false are zero-filled and not read."""
+    cols = col0 + gl.arange(0, dst.shape[1], layout=gl.SliceLayout(0, LAYOUT))
+    mask = gl.expand_dims(ok, 1) & gl.expand_dims(cols >= 0, 0)
+    async_copy.async_copy_global_to_shared(dst, src_ptr + gl.expand_dims(row_at, 1) + gl.expand_dims(cols, 0),
+                                           mask=mask)
+
+
+@gluon.jit
+def stage_queries(q_ptr, t, sq_t, sq_h, r0, h_q, D_QK: gl.constexpr):
+    """``(q_smem [64, 512], qr_smem [64, 64])`` (d_qk 512: ``qr_smem`` is ``q_smem``): token ``t``'s heads
+    ``[r0, r0 + 64)`` copied by ``cp.async`` in a commit group of their own (absent heads zero-filled)."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, 512], operand_smem(512))
+    if D_QK == 576:
+        qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, 64], operand_smem(64))
+    else:
+        qr_smem = q_smem
+    heads = r0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ROWS))
+    q_at = t.to(gl.int64) * sq_t + heads * sq_h
+    for c in gl.static_range(D_QK // 64):
+        if c < 8:
+            copy_rows(q_smem.slice(c * 64, 64, dim=1), q_ptr, q_at, heads < h_q, c * 64, ROWS)
+        else:
+            copy_rows(qr_smem, q_ptr, q_at, heads < h_q, 512, ROWS)
+    async_copy.commit_group()
+    return q_smem, qr_smem
+
+
+@gluon.jit
+def initial_state():
+    """``(m_run, m_use, l, acc)`` before the first key block, in O's layout."""
+    row_l: gl.constexpr = gl.SliceLayout(1, o_layout())
+    m_run = gl.full([BLOCK_H], NEG, gl.float32, row_l)
+    m_use = gl.full([BLOCK_H], NEG, gl.float32, row_l)
+    l = gl.zeros([BLOCK_H], gl.float32, row_l)
+    acc = gl.zeros([BLOCK_H, 512], gl.float32, o_layout())
+    return m_run, m_use, l, acc
+
+
+@gluon.jit
+def key_mask(idx_row_ptr, j, length, n_rows, BLOCK_N: gl.constexpr):
+    """``[1, BLOCK_N]`` in S's column layout: which keys of block ``j`` to attend (``block_indices`` >= 0).
+    Asked for before the block's product, so its load travels meanwhile."""
+    s_cols: gl.constexpr = gl.SliceLayout(0, mma_layout(BLOCK_N))
+    return gl.expand_dims(block_indices(idx_row_ptr, j, length, n_rows, BLOCK_N, s_cols) >= 0, 0)
+
+
+@gluon.jit
+def _qk_half(q_smem, k_tile, c0, n_steps: gl.constexpr, s, K_STEP: gl.constexpr):
+    """``s += q[:, c0 : c0 + n_steps * K_STEP] · k_tile[:, same]ᵀ``, operands read from shared memory a k-step
+    at a time (``ldmatrix``)."""
+    a_l: gl.constexpr = gl.DotOperandLayout(0, s.type.layout, 2)
+    b_l: gl.constexpr = gl.DotOperandLayout(1, s.type.layout, 2)
+    for c in gl.static_range(n_steps):
+        a = q_smem.slice(c0 + c * K_STEP, K_STEP, dim=1).load(a_l)
+        b = k_tile.slice(c0 + c * K_STEP, K_STEP, dim=1).permute((1, 0)).load(b_l)
+        s = mma_v2(a, b, s)
+    return s
+
+
+@gluon.jit
+def attend_block(q_smem, qr_smem, k_tile, r_tile, p_smem, valid, scale_log2, m_run, m_use, l, acc,
+                 D_QK: gl.constexpr, K_STEP: gl.constexpr):
+    """One key block: ``k_tile`` [BLOCK_N, 512] (K, and unchanged V) and ``r_tile`` [BLOCK_N, 64] (the rope
+    tail, d_qk 576), in shared memory and visible to every warp; ``valid`` [1, BLOCK_N] (S's column layout)
+    marks the keys to attend. Returns the new ``(m_run, m_use, l, acc)``. P goes through ``p_smem``: the caller
+    keeps it (and the tiles) unwritten until every warp is past this block."""
+    gl.static_assert((K_STEP == 16) or (K_STEP == 32), "K_STEP: 16 or 32 (a rope half is 32 columns)")
+    BLOCK_N: gl.constexpr = k_tile.shape[0]
+    dtype: gl.constexpr = k_tile.dtype
+    s_l: gl.constexpr = mma_layout(BLOCK_N)
+    acc_l: gl.constexpr = o_layout()
+    row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
+    # Each half of S: half the latent columns and half the rope tail.
+    half_steps: gl.constexpr = 256 // K_STEP
+    s_lo = _qk_half(q_smem, k_tile, 0, half_steps, gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l), K_STEP)
+    s_hi = _qk_half(q_smem, k_tile, 256, half_steps, gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l), K_STEP)
+    if D_QK == 576:
+        s_lo = _qk_half(qr_smem, r_tile, 0, 32 // K_STEP, s_lo, K_STEP)
+        s_hi = _qk_half(qr_smem, r_tile, 32, 32 // K_STEP, s_hi, K_STEP)
+    # Raw logits; the scale is folded into the exponent, as in the Hopper kernels.
+    s = gl.where(valid, s_lo + s_hi, NEG)
+    m_new = gl.maximum(m_run, gl.convert_layout(gl.max(s, 1), row_l) * scale_log2)
+    # Skip-scale with a lagging max per row (a select): p = 2^(s - m_use) stays <= 2^threshold.
+    m_next = gl.where(m_new - m_use > RESCALE_THRESHOLD_LOG2, m_new, m_use)
+    alpha = exp2_approx(m_use - m_next)
+    m_s = gl.expand_dims(gl.convert_layout(m_next, gl.SliceLayout(1, s_l)), 1)
+    p = gl.where(valid, exp2_approx(s * scale_log2 - m_s), 0.0)
+    l = l * alpha + gl.convert_layout(gl.sum(p, 1), row_l)
+    acc = acc * gl.expand_dims(alpha, 1)
+    # P crosses warps (a warp's S columns are a quarter of its P·V rows' keys): through shared memory.
+    p_smem.store(p.to(dtype))
+    barrier()
+    pa_l: gl.constexpr = gl.DotOperandLayout(0, acc_l, 2)
+    v_l: gl.constexpr = gl.DotOperandLayout(1, acc_l, 2)
+    for c in gl.static_range(BLOCK_N // 16):
+        a = p_smem.slice(c * 16, 16, dim=1).load(pa_l)
+        v = k_tile.slice(c * 16, 16, dim=0).load(v_l)
+        acc = mma_v2(a, v, acc)
+    return m_new, m_next, l, acc
