@@ -42,6 +42,22 @@ def e4m3_to_f32(b, NATIVE_FP8: tl.constexpr):
 
 
 @triton.jit
+def e4m3x2_to_f16x2(t):
+    """Two e4m3fn codes, in bits [8, 16) and [24, 32) of uint32 ``t`` (the other bits 0), as two fp16 values
+    2^-8 times theirs in one uint32 (low half: the code from bits [8, 16)): ``e4m3_to_f32``'s bit arithmetic two
+    codes an operation, for GPUs without an fp8 conversion (sm_80/86). Exact, subnormals too, except the NaN
+    codes (0x7F, 0xFF), which give +-1.875: callers tell them by ``e4m3x4_has_nan``."""
+    return (t & 0x80008000) | ((t >> 1) & 0x3F803F80)
+
+
+@triton.jit
+def e4m3x4_has_nan(w):
+    """Whether one of the 4 e4m3fn codes in uint32 ``w`` is NaN (0x7F, 0xFF): a byte's low 7 bits plus 1 carry
+    into its top bit only from 0x7F."""
+    return (((w & 0x7F7F7F7F) + 0x01010101) & 0x80808080) != 0
+
+
+@triton.jit
 def e2m1_to_f32(code):
     """4-bit e2m1 codes (in a uint8) -> fp32, placed as fp16 bits with a 2^14 bias correction."""
     c = code.to(tl.uint16)

@@ -136,7 +136,7 @@ def report(kernel, pointer_types: dict, constexprs: dict, num_warps: int, arch: 
     return r
 
 
-_LOOP_OPS = ("HMMA", "LDSM", "LDGSTS", "BAR", "LDS", "STS", "STSM", "SHFL", "MUFU")
+_LOOP_OPS = ("HMMA", "LDSM", "LDG", "LDGSTS", "BAR", "LDS", "STS", "STSM", "SHFL", "MUFU")
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
@@ -316,20 +316,28 @@ AMPERE_ARCHS = ("80", "86", "89", "90", "120")
 
 
 def ampere_reports(arch: Arch, sass: bool = False) -> list:
-    """(label, report, expected shared memory) of the ``mma_v2`` sparse prefill kernel (``ampere/``) at d_qk
-    576 and 512, with the tile its launch picks for ``arch``'s shared memory (``launch.choose_tile``); the
-    expected bytes are the launch's own estimate, which must match what the compiler allocated."""
+    """(label, report, expected shared memory) of the ``mma_v2`` kernels (``ampere/``) with the tile their
+    launches pick for ``arch`` (``launch.choose_tile``, ``decode_launch.choose_decode_tile``): sparse prefill at
+    d_qk 576 and 512, and sparse decoding over V3.2 FP8 (split, with lengths and sinks; fp8 conversions as
+    ``arch`` has them). The expected bytes are the launch's own estimate, which must match what the compiler
+    allocated."""
     from triton.experimental.gluon._runtime import GluonASTSource
+    from .ampere.decode import sparse_decode_mma_v2_kernel
+    from .ampere.decode_launch import choose_decode_tile, decode_shared_bytes
     from .ampere.kernel import sparse_prefill_mma_v2_kernel
     from .ampere.launch import K_STEP, choose_tile, shared_bytes
     ptrs = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "idx_ptr": "*i32", "len_ptr": "*i32",
-            "sink_ptr": "*fp32", "lse_ptr": "*fp32", "max_ptr": "*fp32"}
+            "sink_ptr": "*fp32", "lse_ptr": "*fp32", "max_ptr": "*fp32", "po_ptr": "*fp32", "plse_ptr": "*fp32"}
     jobs = []
     for d in (576, 512):
         block_n, stages = choose_tile(d, arch.smem)
         consts = dict(D_QK=d, HAS_LEN=True, HAS_SINK=True, BLOCK_N=block_n, NUM_STAGES=stages, K_STEP=K_STEP)
         r = report(sparse_prefill_mma_v2_kernel, ptrs, consts, 8, arch, GluonASTSource, sass=sass)
         jobs.append((f"mma_v2 prefill d{d} BN {block_n} x{stages}", r, shared_bytes(d, block_n, stages)))
+    block_n = choose_decode_tile(arch.smem, arch.native_fp8)
+    consts = dict(HAS_LEN=True, HAS_SINK=True, SPLIT=True, NATIVE_FP8=arch.native_fp8, BLOCK_N=block_n, K_STEP=K_STEP)
+    r = report(sparse_decode_mma_v2_kernel, {**ptrs, "kv_ptr": "*u8"}, consts, 8, arch, GluonASTSource, sass=sass)
+    jobs.append((f"mma_v2 decode v32 BN {block_n}", r, decode_shared_bytes(block_n)))
     return jobs
 
 
@@ -350,9 +358,9 @@ def main() -> None:
                          "the arch's budget")
     ap.add_argument("--hopper", action="store_true", help="the Gluon kernels of hopper/ (sm_90, shipped tile)")
     ap.add_argument("--ampere", action="store_true",
-                    help="the Gluon mma_v2 prefill kernel of ampere/ for --arch (one of %s) with the tile its launch "
-                         "picks; exit status 1 if it spills, does not fit or its launch misjudges its shared "
-                         "memory" % ", ".join(AMPERE_ARCHS))
+                    help="the Gluon mma_v2 kernels of ampere/ (sparse prefill, V3.2 FP8 sparse decoding) for --arch "
+                         "(one of %s) with the tiles their launches pick; exit status 1 if one spills, does not fit or "
+                         "its launch misjudges its shared memory" % ", ".join(AMPERE_ARCHS))
     ap.add_argument("--sass", action="store_true", help="with --ampere: instructions a warp issues a key block")
     ap.add_argument("only", nargs="?", default="", help="only kernels whose label contains this")
     a = ap.parse_args()

@@ -36,6 +36,13 @@ def choose_tile(d_qk: int, smem_limit: int) -> tuple[int, int]:
     raise ValueError(f"no tile of the mma_v2 prefill kernel fits {smem_limit} bytes of shared memory (d_qk {d_qk})")
 
 
+def check_rows(**tensors: torch.Tensor) -> None:
+    """The kernels copy 16 bytes at a time: rows (and the tensors) 16-byte aligned, contiguous along d."""
+    for name, t in tensors.items():
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+            raise ValueError(f"{name}: rows must be contiguous along the last dim and 16-byte aligned")
+
+
 def _check(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, topk_length, attn_sink) -> None:
     if q.dim() != 3 or kv.dim() != 3 or indices.dim() != 3:
         raise ValueError("expected q [s_q, h_q, d_qk], kv [s_kv, 1, d_qk], indices [s_q, 1, topk]")
@@ -45,10 +52,7 @@ def _check(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, t
                          f"d_v {d_v}: d_qk 512 or 576, d_v 512, one kv head")
     if q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype or indices.dtype != torch.int32:
         raise ValueError(f"q {q.dtype}, kv {kv.dtype}, indices {indices.dtype}: bf16/fp16 for both, int32 indices")
-    # 16-byte copies: rows (and the tensors) 16-byte aligned, contiguous along d.
-    for name, t in (("q", q), ("kv", kv)):
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
-            raise ValueError(f"{name}: rows must be contiguous along d_qk and 16-byte aligned")
+    check_rows(q=q, kv=kv)
     if topk_length is not None and (topk_length.shape != (s_q,) or topk_length.dtype != torch.int32):
         raise ValueError("topk_length: expected [s_q] int32")
     if attn_sink is not None and (attn_sink.shape != (h_q,) or attn_sink.dtype != torch.float32):

@@ -1,0 +1,106 @@
+"""Host side of the ``mma_v2`` sparse decoding kernel (``decode.py``) over V3.2 FP8 caches: its tile, its split
+count and the launch (with the combine of split partials).
+
+Not wired into the dispatcher: ``NOTES.md`` says what has been checked (offline compiles only, so far).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+import triton
+
+from anymla import buffers
+
+from .. import runtime
+from ..splits import Combine, choose_num_splits, workspaces
+from .launch import HEADS, K_STEP, check_rows, shared_bytes
+
+ROW_BYTES = 656  # a V3.2 FP8 cache row (anymla.kvcache)
+# BLOCK_N, preferred first. 64 fits the 227 KB GPUs (sm_90, sm_100) and sm_80's 163 KB, but without fp8
+# conversions (sm_80) its codes and their bit arithmetic spill (68 B): there 32. The 99 KB GPUs take 16.
+TILES = (64, 32, 16)
+
+
+def decode_shared_bytes(block_n: int) -> int:
+    """Shared memory the kernel allocates: the prefill kernel's with one stage at d_qk 576 (q, the latent and
+    rope tiles, P, the reduction scratch), plus the second rope stage."""
+    return shared_bytes(576, block_n, 1) + 2 * block_n * 64
+
+
+def choose_decode_tile(smem_limit: int, native_fp8: bool) -> int:
+    """The first of ``TILES`` that fits ``smem_limit`` bytes (64 keys only with fp8 conversions)."""
+    for block_n in TILES:
+        if decode_shared_bytes(block_n) <= smem_limit and (native_fp8 or block_n < 64):
+            return block_n
+    raise ValueError(f"no tile of the mma_v2 decoding kernel fits {smem_limit} bytes of shared memory")
+
+
+@functools.lru_cache(maxsize=None)
+def _combine(num_splits: int) -> Combine:
+    return Combine(num_splits)
+
+
+def _check(q, kv_cache, indices, topk_length, attn_sink) -> None:
+    if q.dim() != 4 or indices.dim() != 3 or kv_cache.dim() != 4:
+        raise ValueError("expected q [b, s_q, h_q, 576], kv_cache [blocks, page, 1, 656], indices [b, s_q, topk]")
+    b, s_q, h_q, d = q.shape
+    if d != 576 or kv_cache.shape[2:] != (1, ROW_BYTES) or tuple(indices.shape[:2]) != (b, s_q):
+        raise ValueError(f"shapes q {tuple(q.shape)}, kv_cache {tuple(kv_cache.shape)}, indices "
+                         f"{tuple(indices.shape)}: V3.2 FP8 only (d_qk 576, 656-byte rows)")
+    if q.dtype != torch.bfloat16 or kv_cache.element_size() != 1 or indices.dtype != torch.int32:
+        raise ValueError(f"q {q.dtype}, kv_cache {kv_cache.dtype}, indices {indices.dtype}: bf16 q, a byte cache, "
+                         f"int32 indices")
+    # The codes, scales and rope values are read 16 and 4 bytes at a time from each row's start.
+    if kv_cache.stride(1) != ROW_BYTES or kv_cache.stride(0) % 16 or kv_cache.data_ptr() % 16:
+        raise ValueError("kv_cache: rows of 656 bytes back to back within a block, blocks 16-byte aligned")
+    check_rows(q=q)
+    if topk_length is not None and (topk_length.shape != (b,) or topk_length.dtype != torch.int32):
+        raise ValueError("topk_length: expected [b] int32")
+    if attn_sink is not None and (attn_sink.shape != (h_q,) or attn_sink.dtype != torch.float32):
+        raise ValueError("attn_sink: expected [h_q] fp32")
+
+
+def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                  topk_length: Optional[torch.Tensor] = None, attn_sink: Optional[torch.Tensor] = None,
+                  num_splits: Optional[int] = None, tile: Optional[int] = None, *,
+                  native_fp8: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse ``flash_mla_with_kvcache`` over a V3.2 FP8 paged cache on the ``mma_v2`` kernel: ``(out [b, s_q,
+    h_q, 512] bf16, lse [b, s_q, h_q] fp32, natural log)``. ``indices``: slots ``block * page + offset``; -1,
+    ``>= blocks * page`` and positions from ``topk_length[b]`` on are skipped. ``num_splits``: key-block splits a
+    token (default: enough programs for every multiprocessor, ``splits.choose_num_splits``); ``tile``: BLOCK_N
+    instead of the device's ``choose_decode_tile``; ``native_fp8``: False decodes the codes with the bit
+    arithmetic of sm_80/86 on any GPU (the default is what the device has)."""
+    _check(q, kv_cache, indices, topk_length, attn_sink)
+    from .decode import sparse_decode_mma_v2_kernel  # Gluon: imported where it can run
+    b, s_q, h_q, _ = q.shape
+    tokens, topk = b * s_q, indices.shape[-1]
+    out = buffers.empty(b, s_q, h_q, 512, dtype=q.dtype, device=q.device)
+    lse = buffers.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
+    if tokens == 0 or h_q == 0:
+        return out, lse
+    q_rows = q.reshape(tokens, h_q, 576)
+    idx = indices.reshape(tokens, topk).contiguous()
+    kv = kv_cache.view(torch.uint8)
+    native = runtime.native_fp8(q.device) if native_fp8 is None else native_fp8
+    block_n = tile or choose_decode_tile(torch.cuda.get_device_properties(q.device).shared_memory_per_block_optin,
+                                         native)
+    hb = triton.cdiv(h_q, HEADS)
+    # One program a multiprocessor at a time (~250 registers x 256 threads)
+    splits = num_splits or choose_num_splits(tokens * hb, triton.cdiv(topk, block_n), runtime.num_cores(q.device),
+                                             1, False)
+    ws = workspaces(splits, tokens, h_q, q.device)
+    po, plse = (None, None) if ws is None else (ws.partial_out, ws.partial_lse)
+    nb, page = kv.shape[:2]
+    sparse_decode_mma_v2_kernel[(tokens * hb, splits)](
+        q_rows, q_rows.stride(0), q_rows.stride(1), kv, kv.stride(0), kv.stride(1), page, nb * page, idx,
+        idx.stride(0), topk, topk_length, s_q, attn_sink, out, h_q * 512, 512, lse, h_q, po, plse, h_q, hb, splits,
+        sm_scale * math.log2(math.e),
+        HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None, SPLIT=ws is not None, NATIVE_FP8=native,
+        BLOCK_N=block_n, K_STEP=K_STEP, num_warps=8)
+    if ws is not None:
+        _combine(splits)(ws, out, lse, 1, (h_q * 512, 0, 512), (h_q, 0, 1), attn_sink)
+    return out, lse
