@@ -18,7 +18,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from ..common import e4m3_to_f32, e4m3x2_to_f16x2, e4m3x4_has_nan
 from ..hopper.dequant import ROPE_AT, _row_bytes
 from ..hopper.partitions import _store_output, block_indices
-from .mma import BLOCK_H, attend_block, barrier, initial_state, key_mask, operand_smem, stage_queries
+from .mma import (BLOCK_H, attend_block, barrier, initial_state, key_mask, operand_smem, program_token,
+                  stage_queries)
 
 SCALES_AT = gl.constexpr(512)  # byte offset of a row's 4 fp32 scales
 
@@ -117,13 +118,8 @@ def sparse_decode_mma_v2_kernel(
     """q [tokens, h_q, 576]; the cache's bytes ``kv_ptr`` (block stride ``kv_sb``, row stride ``kv_sr``, ``page``
     rows a block, ``n_rows`` slots); indices [tokens, topk]; ``topk_length[t // len_div]``. Writes out [tokens,
     h_q, 512] and lse [tokens, h_q] (natural log), or with SPLIT the partials ``splits.Workspaces`` holds."""
-    pid = gl.program_id(0)
+    t, r0, length = program_token(hb_per_token, topk, len_ptr, len_div, HAS_LEN)
     split = gl.program_id(1)
-    t = pid // hb_per_token
-    r0 = (pid % hb_per_token) * BLOCK_H
-    length = topk
-    if HAS_LEN:
-        length = gl.maximum(gl.minimum(topk, gl.load(len_ptr + t // len_div)), 0)
     n_blocks = gl.cdiv(length, BLOCK_N)
     per_split = gl.cdiv(n_blocks, num_splits)
     j0 = split * per_split

@@ -13,7 +13,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from ..hopper.partitions import _store_output, block_indices
 from .mma import (BLOCK_H, ROWS, WIDE_ROWS, attend_block, barrier, copy_rows, initial_state, key_mask,
-                  operand_smem, stage_queries)
+                  operand_smem, program_token, stage_queries)
 
 
 @gluon.jit
@@ -36,12 +36,7 @@ def sparse_prefill_mma_v2_kernel(
         NUM_STAGES: gl.constexpr, K_STEP: gl.constexpr):
     """Writes out [s_q, h_q, 512], lse and max_logits [s_q, h_q] (natural log) as ``common.store_result``."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    pid = gl.program_id(0)
-    t = pid // hb_per_token
-    r0 = (pid % hb_per_token) * BLOCK_H
-    length = topk
-    if HAS_LEN:
-        length = gl.maximum(gl.minimum(topk, gl.load(len_ptr + t)), 0)
+    t, r0, length = program_token(hb_per_token, topk, len_ptr, 1, HAS_LEN)
     n_blocks = gl.cdiv(length, BLOCK_N)
     idx_row_ptr = idx_ptr + t.to(gl.int64) * si_t
 

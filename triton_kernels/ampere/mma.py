@@ -55,6 +55,18 @@ def copy_rows(dst, src_ptr, row_at, ok, col0, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
+def program_token(hb_per_token, topk, len_ptr, len_div, HAS_LEN: gl.constexpr):
+    """``(t, r0, length)`` of program ``t * hb_per_token + head_block``: its token, first head and how many of
+    the token's ``topk`` indices count (``topk_length[t // len_div]``, clamped to ``[0, topk]``)."""
+    pid = gl.program_id(0)
+    t = pid // hb_per_token
+    length = topk
+    if HAS_LEN:
+        length = gl.maximum(gl.minimum(topk, gl.load(len_ptr + t // len_div)), 0)
+    return t, (pid % hb_per_token) * BLOCK_H, length
+
+
+@gluon.jit
 def stage_queries(q_ptr, t, sq_t, sq_h, r0, h_q, D_QK: gl.constexpr):
     """``(q_smem [64, 512], qr_smem [64, 64])`` (d_qk 512: ``qr_smem`` is ``q_smem``): token ``t``'s heads
     ``[r0, r0 + 64)`` copied by ``cp.async`` in a commit group of their own (absent heads zero-filled)."""
