@@ -40,7 +40,9 @@ def choose_decode_tile(smem_limit: int, native_fp8: bool) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _combine(num_splits: int) -> Combine:
+def _combine(num_splits: int, h_q: int, has_sink: bool) -> Combine:
+    """The merge of one shape's partials: its launcher keeps the first call's integers (heads, strides) and
+    whether a sink comes, so it is kept per those."""
     return Combine(num_splits)
 
 
@@ -102,5 +104,5 @@ def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor
         HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None, SPLIT=ws is not None, NATIVE_FP8=native,
         BLOCK_N=block_n, K_STEP=K_STEP, num_warps=8)
     if ws is not None:
-        _combine(splits)(ws, out, lse, 1, (h_q * 512, 0, 512), (h_q, 0, 1), attn_sink)
+        _combine(splits, h_q, attn_sink is not None)(ws, out, lse, 1, (h_q * 512, 0, 512), (h_q, 0, 1), attn_sink)
     return out, lse
