@@ -71,7 +71,8 @@ def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor
                   num_splits: Optional[int] = None, tile: Optional[int] = None, *,
                   native_fp8: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse ``flash_mla_with_kvcache`` over a V3.2 FP8 paged cache on the ``mma_v2`` kernel: ``(out [b, s_q,
-    h_q, 512] bf16, lse [b, s_q, h_q] fp32, natural log)``. ``indices``: slots ``block * page + offset``; -1,
+    h_q, 512] bf16, lse [b, h_q, s_q] fp32, natural log: a transposed view of the [b, s_q, h_q] the kernel
+    writes, as ``flash_mla_with_kvcache`` returns sparse decoding's)``. ``indices``: slots ``block * page + offset``; -1,
     ``>= blocks * page`` and positions from ``topk_length[b]`` on are skipped. ``num_splits``: key-block splits a
     token (default: enough programs for every multiprocessor, ``splits.choose_num_splits``); ``tile``: BLOCK_N
     instead of the device's ``choose_decode_tile``; ``native_fp8``: False decodes the codes with the bit
@@ -83,7 +84,7 @@ def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor
     out = buffers.empty(b, s_q, h_q, 512, dtype=q.dtype, device=q.device)
     lse = buffers.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
     if tokens == 0 or h_q == 0:
-        return out, lse
+        return out, lse.transpose(1, 2)
     q_rows = q.reshape(tokens, h_q, 576)
     idx = indices.reshape(tokens, topk).contiguous()
     kv = kv_cache.view(torch.uint8)
@@ -105,4 +106,4 @@ def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor
         BLOCK_N=block_n, K_STEP=K_STEP, num_warps=8)
     if ws is not None:
         _combine(splits, h_q, attn_sink is not None)(ws, out, lse, 1, (h_q * 512, 0, 512), (h_q, 0, 1), attn_sink)
-    return out, lse
+    return out, lse.transpose(1, 2)
