@@ -82,6 +82,24 @@ def test_ampere_mma_v2_kernels_build_for_each_arch(arch):
     assert res.stdout.count(" fits ") == 3, res.stdout
 
 
+def test_harness_times_the_mma_v2_kernels_only_on_the_cases_they_serve():
+    """``harness --mma-v2``: a row for sparse prefill with one kv head and V3.2 FP8 sparse decoding, none for
+    other caches, an extra cache or several kv heads (the call is built, not run: Gluon needs a GPU)."""
+    from anymla.kvcache import KVCacheFormat
+    from anymla.testing import prefill_inputs, sparse_decode_inputs
+    from anymla.triton_kernels.harness import mma_v2_call
+
+    assert callable(mma_v2_call("sparse_prefill", prefill_inputs(2, 16, 576, 64, 32)))
+    assert mma_v2_call("sparse_prefill", prefill_inputs(2, 16, 576, 64, 32, h_kv=2)) is None
+    decode = lambda fmt, **kw: sparse_decode_inputs(1, 1, 16, 64, 32, fmt=fmt, **kw)  # noqa: E731
+    assert callable(mma_v2_call("sparse_decode", decode(KVCacheFormat.V32_FP8)))
+    for fmt in (KVCacheFormat.MODEL1_FP8, KVCacheFormat.V41_FP8, KVCacheFormat.BF16):
+        assert mma_v2_call("sparse_decode", decode(fmt)) is None, fmt
+    extra = dict(fmt=KVCacheFormat.V32_FP8, page=64, s_k=64, topk=32)
+    assert mma_v2_call("sparse_decode", decode(KVCacheFormat.V32_FP8, extra=extra)) is None
+    assert mma_v2_call("dense_decode", {}) is None
+
+
 def test_hopper_kernels_are_chosen_only_where_they_were_checked(monkeypatch):
     """Their tile is told apart from the portable kernels' (a forced portable tile turns them off); Gluon
     versions outside the checked ones, and devices other than sm_90, keep the portable kernels."""

@@ -1,12 +1,15 @@
 """The Triton tier's own harness: tile configurations of the kernels on the bench's shapes.
 
-    python -m anymla.triton_kernels.harness [--suite NAME] [--case NAME ...] [--sweep] [--portable] [--csv FILE]
+    python -m anymla.triton_kernels.harness [--suite NAME] [--case NAME ...] [--sweep] [--portable] [--mma-v2]
+                                            [--csv FILE]
 
 For each case of a suite of ``python -m anymla.bench`` (default: canonical; same inputs, cost model, timer and
 same-run ceilings) it checks every configuration in :data:`SWEEP` against the PyTorch reference (FlashMLA's
 tolerances) and only then times it. Without ``--sweep`` it times the shipped configuration. ``--portable`` sweeps
 the portable kernels' tiles instead (:data:`PORTABLE_SWEEP`, the Hopper kernels off), the stand-in for the GPUs
-without them; with ``DISABLE_MMA_V3=1`` in the environment Triton lowers their ``tl.dot`` to mma.sync. The user-facing
+without them; with ``DISABLE_MMA_V3=1`` in the environment Triton lowers their ``tl.dot`` to mma.sync. ``--mma-v2``
+adds a row for the Gluon mma_v2 kernels (``ampere/``, not dispatched) where they serve the case, checked and
+timed the same way. Under a stand-in the compute ceiling is the same-setting Triton matmul, as in the bench. The user-facing
 comparison across backends is ``python -m anymla.bench``; this harness tunes the kernels themselves (see each
 NOTES.md).
 """
@@ -14,14 +17,16 @@ NOTES.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 from typing import NamedTuple, Optional
 
 import torch
 
 import anymla
-from anymla.bench import model
+from anymla.bench import machine, model
 from anymla.bench.ceilings import measure_ceilings
+from anymla.kvcache import KVCacheFormat, detect_format
 from anymla.bench.suites import build_inputs, suite_cases
 from anymla.bench.timing import Timer
 from anymla.testing import compare_outputs
@@ -103,13 +108,50 @@ def _describe(config: Config) -> str:
     return text + ("" if ws is None else (" warp-specialized" if ws else " portable"))
 
 
-def run(suite: str, case_names, sweep: bool, reps: int, csv_path, portable: bool = False) -> list[dict]:
+def mma_v2_call(op: str, args: dict):
+    """A call of the Gluon mma_v2 kernel (``ampere/``) on a bench case's arguments, or None where none serves the
+    case: they take sparse prefill with one kv head and sparse decoding over a V3.2 FP8 cache alone."""
+    if op == "sparse_prefill" and args["kv"].shape[1] == 1:
+        from .ampere.launch import sparse_prefill
+        return lambda: sparse_prefill(args["q"], args["kv"], args["indices"], args["sm_scale"], args.get("d_v", 512),
+                                      args["topk_length"], args["attn_sink"])
+    if (op == "sparse_decode" and args.get("extra_k_cache") is None and args["k_cache"].element_size() == 1
+            and detect_format(args["k_cache"]) is KVCacheFormat.V32_FP8):
+        from .ampere.decode_launch import sparse_decode
+        return lambda: sparse_decode(args["q"], args["k_cache"], args["indices"], args["softmax_scale"],
+                                     args["topk_length"], args["attn_sink"])
+    return None
+
+
+def _timed_row(row: dict, call, op: str, expected, timer: Timer, cost, ceilings,
+               scope=contextlib.nullcontext()) -> None:
+    """Check ``call()`` against ``expected`` (FlashMLA's tolerances), then time it, both inside ``scope``; a wrong
+    or failing call is reported in ``row``'s status, never timed."""
+    try:
+        with scope:
+            compare_outputs(op, call(), expected)
+            t = timer.measure(call)
+        r = model.rates(cost, t.median_us, ceilings)
+        row.update(status="ok", us=t.median_us, tflops=r.tflops, gbps=r.gbps, x_matmul=r.ratio_to_matmul,
+                   x_copy=r.ratio_to_copy)
+    except Exception as e:
+        row.update(status=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+
+
+def run(suite: str, case_names, sweep: bool, reps: int, csv_path, portable: bool = False,
+        mma_v2: bool = False) -> list[dict]:
     device = torch.device("cuda")
     timer = Timer(device, reps)
-    ceilings = measure_ceilings(device, timer)
+    ceilings = measure_ceilings(device, timer, machine.stand_in(portable))
     print(f"ceilings: {ceilings.describe()}", flush=True)
     rows = []
     sink = _CsvSink(csv_path, ceilings)
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        sink.write(row)
+        print(_fmt(row), flush=True)
+
     for case in suite_cases(suite):
         if case_names and case.name not in case_names:
             continue
@@ -123,24 +165,20 @@ def run(suite: str, case_names, sweep: bool, reps: int, csv_path, portable: bool
                 config = config._replace(warp_specialized=False)
             row = dict(case=case.name, config=_describe(config))
             tile = config.tile
-            try:
-                with tuning.forced(tile, config.splits, config.tma, warp_specialized=config.warp_specialized):
-                    call_args = dict(args)
-                    if "tile_scheduler_metadata" in call_args:
-                        call_args["tile_scheduler_metadata"], _ = anymla.get_mla_metadata()
-                    compare_outputs(case.op, fn(**call_args, backend="triton"), expected)
-                    t = timer.measure(lambda: fn(**call_args, backend="triton"))
-                r = model.rates(cost, t.median_us, ceilings)
-                shrunk = fit.shrunk_to(tile) if tile is not None else set()
-                if shrunk:  # timed, but not as the config asked for
-                    row["config"] += " (ran as " + ", ".join(_describe(Config(t)) for t in shrunk) + ")"
-                row.update(status="ok", us=t.median_us, tflops=r.tflops, gbps=r.gbps, x_matmul=r.ratio_to_matmul,
-                           x_copy=r.ratio_to_copy)
-            except Exception as e:  # a failing config is reported, never timed
-                row.update(status=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
-            rows.append(row)
-            sink.write(row)
-            print(_fmt(row), flush=True)
+            call_args = dict(args)
+            if "tile_scheduler_metadata" in call_args:
+                call_args["tile_scheduler_metadata"], _ = anymla.get_mla_metadata()
+            _timed_row(row, lambda: fn(**call_args, backend="triton"), case.op, expected, timer, cost, ceilings,
+                       tuning.forced(tile, config.splits, config.tma, warp_specialized=config.warp_specialized))
+            shrunk = fit.shrunk_to(tile) if tile is not None and row["status"] == "ok" else set()
+            if shrunk:  # timed, but not as the config asked for
+                row["config"] += " (ran as " + ", ".join(_describe(Config(t)) for t in shrunk) + ")"
+            emit(row)
+        call = mma_v2_call(case.op, args) if mma_v2 else None
+        if call is not None:
+            row = dict(case=case.name, config="mma_v2 (ampere/, not dispatched)")
+            _timed_row(row, call, case.op, expected, timer, cost, ceilings)
+            emit(row)
         del args, expected
         torch.cuda.empty_cache()
     print()
@@ -182,12 +220,14 @@ def main() -> None:
     ap.add_argument("--case", action="append", help="case name(s) of the suite (default: all)")
     ap.add_argument("--sweep", action="store_true", help="try every configuration in SWEEP")
     ap.add_argument("--portable", action="store_true", help="the portable kernels only (PORTABLE_SWEEP with --sweep)")
+    ap.add_argument("--mma-v2", action="store_true",
+                    help="also the Gluon mma_v2 kernels (ampere/) where they serve a case")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--csv")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("the harness times CUDA kernels; no CUDA device here (CPU correctness: the test suite)")
-    run(a.suite, a.case, a.sweep, a.reps, a.csv, a.portable)
+    run(a.suite, a.case, a.sweep, a.reps, a.csv, a.portable, a.mma_v2)
 
 
 if __name__ == "__main__":
