@@ -1,7 +1,8 @@
 """Host side of the ``mma_v2`` sparse decoding kernel (``decode.py``) over V3.2 FP8 caches: its tile, its split
 count and the launch (with the combine of split partials).
 
-Not wired into the dispatcher: ``NOTES.md`` says what has been checked (offline compiles only, so far).
+Not wired into the dispatcher: ``NOTES.md`` says what has been checked (offline compiles; its GPU agreement
+tests have not yet compared values).
 """
 
 from __future__ import annotations
@@ -89,8 +90,7 @@ def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor
     idx = indices.reshape(tokens, topk).contiguous()
     kv = kv_cache.view(torch.uint8)
     native = runtime.native_fp8(q.device) if native_fp8 is None else native_fp8
-    block_n = tile or choose_decode_tile(torch.cuda.get_device_properties(q.device).shared_memory_per_block_optin,
-                                         native)
+    block_n = tile or choose_decode_tile(runtime.max_shared_memory(q.device), native)
     hb = triton.cdiv(h_q, HEADS)
     # One program a multiprocessor at a time (~250 registers x 256 threads)
     splits = num_splits or choose_num_splits(tokens * hb, triton.cdiv(topk, block_n), runtime.num_cores(q.device),

@@ -1,6 +1,7 @@
 """Host side of the ``mma_v2`` sparse prefill kernel: its tile for a GPU's shared memory, and the launch.
 
-Not wired into the dispatcher: ``NOTES.md`` says what has been checked (offline compiles only, so far).
+Not wired into the dispatcher: ``NOTES.md`` says what has been checked (its agreement tests on a GPU; no timing
+yet).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import torch
 import triton
 
 from anymla import buffers
+
+from .. import runtime
 
 HEADS = 64  # query heads a program (the kernel's BLOCK_H)
 # (BLOCK_N, NUM_STAGES), preferred first: 64 keys double-buffered fit sm_90 / sm_100 (227 KB), 32 fit sm_80
@@ -74,8 +77,7 @@ def sparse_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_
     max_logits = buffers.empty(s_q, h_q, dtype=torch.float32, device=q.device)
     if s_q == 0 or h_q == 0:
         return out, max_logits, lse
-    smem = torch.cuda.get_device_properties(q.device).shared_memory_per_block_optin
-    block_n, stages = tile or choose_tile(d, smem)
+    block_n, stages = tile or choose_tile(d, runtime.max_shared_memory(q.device))
     hb = triton.cdiv(h_q, HEADS)
     sparse_prefill_mma_v2_kernel[(s_q * hb,)](
         q, q.stride(0), q.stride(1), kv, kv.stride(0), kv.shape[0], indices, indices.stride(0), indices.shape[-1],
