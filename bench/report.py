@@ -20,7 +20,7 @@ COLUMNS = ("timestamp", "device", "device_name", "torch", "triton", "anymla", "s
            "host_us", "host_first_us", "host_all_us", "flops", "bytes",
            "tflops", "gbps", "floor_us", "bound", "frac_of_floor", "copy_gbps", "matmul_tflops", "ratio_to_matmul",
            "ratio_to_copy", "dispatcher_choice", "fastest", "anchor_flashmla_us", "anchor_triton",
-           "anchor_triton_us")
+           "anchor_triton_us", "gather_us", "frac_of_gather")
 HEADERS = ("case", "backend", "status", "GPU µs", "p20-p80", "eager µs", "host µs", "% floor", "x ceiling", "note")
 
 
@@ -56,6 +56,10 @@ def csv_rows(outcomes: list[CaseOutcome], info: RunInfo, ceilings: Ceilings) -> 
                            eager_us=_maybe(t.eager_us), host_us=_maybe(t.host_us),
                            host_first_us=_maybe(t.host_first_us), host_all_us=_maybe(t.host_all_us))
                 row.update(dataclasses.asdict(model.rates(o.cost, t.median_us, ceilings)))
+                if o.gather_us is not None:
+                    row.update(frac_of_gather=o.gather_us / t.median_us)
+            if o.gather_us is not None:
+                row.update(gather_us=o.gather_us)
             if anchor is not None:
                 row.update(anchor_flashmla_us=anchor.flashmla_us, anchor_triton=anchor.triton_name,
                            anchor_triton_us=anchor.triton_us if anchor.triton_us is not None else "")
@@ -125,6 +129,20 @@ def _anchor_text(o: CaseOutcome) -> Optional[str]:
     return text
 
 
+def gather_text(o: CaseOutcome, ceilings: Ceilings) -> Optional[str]:
+    """The gather floor's line under a sparse decoding shape (``gather.py``): its time and rate, and how close
+    the fastest backend comes to it."""
+    if o.gather_us is None:
+        return o.gather_note or None
+    floor, _ = model.floor_us(o.cost, ceilings)
+    text = (f"gather floor (a read-only kernel gathering this call's rows): {_num(o.gather_us)} µs, "
+            f"{100 * floor / o.gather_us:.3g}% floor")
+    fastest = o.result(o.fastest) if o.fastest else None
+    if fastest is not None:
+        text += f"; {o.fastest} at {o.gather_us / fastest.timing.median_us:.2f}x of it"
+    return text
+
+
 def _anchor_ratio(cost: model.Cost, time_us: float) -> str:
     """The anchor's achieved rate against the anchor run's own ceilings, for the ceiling that binds."""
     anchor_ceilings = Ceilings(anchors.ANCHOR_COPY_GBPS, anchors.ANCHOR_MATMUL_TFLOPS, "", "")
@@ -186,7 +204,8 @@ def format_table(outcomes: list[CaseOutcome], info: RunInfo, ceilings: Ceilings,
     for o in outcomes:
         rows = [_cells(o, r, info, ceilings) for r in o.results]
         anchor = _anchor_text(o)
-        extra = [verdict(o)] + ([f"{anchors.LABEL}: {anchor}"] if anchor else [])
+        gather = gather_text(o, ceilings)
+        extra = [verdict(o)] + ([gather] if gather else []) + ([f"{anchors.LABEL}: {anchor}"] if anchor else [])
         blocks.append((o.suite, rows, extra))
     widths = [max([len(h)] + [len(row[i]) for _, rows, _ in blocks for row in rows]) for i, h in enumerate(HEADERS)]
 
@@ -221,6 +240,9 @@ def summary_markdown(outcomes: list[CaseOutcome], info: RunInfo, ceilings: Ceili
         out += [f"## {suite}", "", _md_row(HEADERS), _md_row(["---"] * len(HEADERS))]
         out += [_md_row(_cells(o, r, info, ceilings)) for o in mine for r in o.results]
         out += ["", "Dispatcher's choice per shape:", ""] + [f"- {o.case.name}: {verdict(o)}" for o in mine]
+        gathers = [(o, text) for o in mine if (text := gather_text(o, ceilings))]
+        if gathers:
+            out += ["", "Gather floors (sparse decoding):", ""] + [f"- {o.case.name}: {text}" for o, text in gathers]
         anchored = [(o, text) for o in mine if (text := _anchor_text(o))]
         if anchored:
             out += ["", f"H200 anchors ({anchors.LABEL}; ratios against the anchor run's ceilings, "

@@ -49,6 +49,8 @@ class CaseOutcome:
     cost: Optional[model.Cost]
     decision: Optional[Decision]
     results: list = field(default_factory=list)
+    gather_us: Optional[float] = None  # sparse decoding on an accelerator: the gather floor (gather.py)
+    gather_note: str = ""  # why there is none, where it failed
 
     @property
     def dispatcher_choice(self) -> str:
@@ -119,6 +121,12 @@ def run_case(suite: str, case: Case, backends: list[str], timer: Timer, *, toler
             on_backend(name)
         return CaseOutcome(suite, case, case.spec(), None, None, [BackendResult(n, ERROR, note) for n in backends])
     outcome = CaseOutcome(suite, case, decision.shape, cost, decision)
+    if case.op == "sparse_decode" and device.type != "cpu":
+        try:
+            from .gather import gather_floor_us
+            outcome.gather_us = gather_floor_us(args, lambda fn: timer.measure(fn).median_us)
+        except Exception as err:  # a floor that cannot be measured is reported, never fatal to the run
+            outcome.gather_note = "gather floor not measured: " + _first_line(err)
     for name in backends:
         on_backend(name)
         try:

@@ -475,3 +475,37 @@ def test_stall_regions_split_a_source_page_at_each_register_budget(tmp_path):
         ("0x40", rows[4][1], 1234.0)]
     text = stall_regions.report(str(path), top=1)
     assert "31.0% of the samples" in text and "executed 1234" in text
+
+
+# ---------------------------------------------------------------- the gather floor
+
+@pytest.mark.parametrize("fmt, extra", [
+    (F.V32_FP8, None),
+    (F.MODEL1_FP8, dict(fmt=F.MODEL1_FP8, page=64, s_k=192, topk=24, topk_length=True)),
+    (F.V41_FP8, dict(fmt=F.V41_FP4, page=64, s_k=192, topk=24, topk_length=False)),
+])
+def test_the_gather_floor_reads_the_rows_the_call_counts(fmt, extra):
+    """The read-only kernel's per-program sums equal torch's over exactly the counted rows (in range, within
+    topk_length) of both caches, read as the format's bytes a row."""
+    from anymla.bench.gather import RowReads
+    args = sparse_decode_inputs(2, 2, 16, 256, 40, fmt=fmt, topk_length=True, extra=extra, seed=5)
+    reads = RowReads(args, block_r=8)
+    counted = int(model._counted(args["indices"], args["k_cache"].shape[0] * args["k_cache"].shape[1],
+                                 args["topk_length"]).sum())
+    assert reads.parts[0][1].numel() == counted and len(reads.parts) == (1 if extra is None else 2)
+    reads.reads()
+    assert reads.sums() == reads.checksum()
+    assert all(s != 0 for s in reads.sums())
+
+
+def test_the_report_gives_the_gather_floor_under_a_decoding_shape():
+    outcomes = _outcomes(["reference"])
+    ceilings = Ceilings(10.0, 0.1, "test copy", "test matmul")
+    sparse = outcomes[1]
+    assert sparse.gather_us is None and report.gather_text(sparse, ceilings) is None  # none timed on the CPU
+    sparse.gather_us = sparse.results[0].timing.median_us / 2
+    text = report.gather_text(sparse, ceilings)
+    assert text.startswith("gather floor") and "reference at 0.50x of it" in text
+    assert text in report.format_table(outcomes, describe(CPU), ceilings)
+    rows = report.csv_rows(outcomes, describe(CPU), ceilings)
+    assert float(rows[1]["frac_of_gather"]) == pytest.approx(0.5) and rows[0]["gather_us"] == ""
