@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 import anymla
+from anymla.triton_kernels.runtime import mma_v3_disabled
 
 
 @dataclass(frozen=True)
@@ -86,16 +87,12 @@ def digest_of(roots: dict[str, str]) -> str:
     return digest.hexdigest()
 
 
-def mma_v3_disabled() -> bool:
-    """DISABLE_MMA_V3 as Triton reads it (1, true or on, any case): tl.dot lowered to mma.sync, not wgmma."""
-    return os.environ.get("DISABLE_MMA_V3", "").lower() in ("1", "true", "on")
-
-
 # The stand-ins for the GPUs other than Hopper that an H200 can measure (python -m anymla.bench --portable,
 # --mma-sync), and what each changes.
 STAND_INS = {"portable": "the Hopper kernels switched off (tuning.forced(warp_specialized=False), or "
                          "ANYMLA_HOPPER_KERNELS=0 for the whole process)",
-             "mma.sync": "DISABLE_MMA_V3=1: Triton lowers tl.dot to mma.sync (Ampere-class) instead of wgmma"}
+             "mma.sync": "DISABLE_MMA_V3=1: Triton lowers tl.dot to mma.sync (Ampere-class) instead of wgmma, and "
+                         "the mma_v2 kernels (triton_kernels/ampere/) take the calls they serve, as on those GPUs"}
 
 
 def stand_in(portable: bool) -> str:

@@ -82,22 +82,82 @@ def test_ampere_mma_v2_kernels_build_for_each_arch(arch):
     assert res.stdout.count(" fits ") == 3, res.stdout
 
 
-def test_harness_times_the_mma_v2_kernels_only_on_the_cases_they_serve():
-    """``harness --mma-v2``: a row for sparse prefill with one kv head and V3.2 FP8 sparse decoding, none for
-    other caches, an extra cache or several kv heads (the call is built, not run: Gluon needs a GPU)."""
-    from anymla.kvcache import KVCacheFormat
-    from anymla.testing import prefill_inputs, sparse_decode_inputs
-    from anymla.triton_kernels.harness import mma_v2_call
+def test_harness_names_the_kernel_each_configuration_ran():
+    """``harness --mma-v2`` times each configuration also with the mma_v2 kernels off, and every row names the
+    kernel the dispatcher's plan ran (explain()'s words), so a stand-in row says whether mma_v2 ran."""
+    import anymla
+    from anymla.testing import prefill_inputs
+    from anymla.triton_kernels import tuning
+    from anymla.triton_kernels.harness import Config, _describe, _kernel
+    assert _describe(Config(mma_v2=False)) == "shipped mma_v2 off"
+    args = prefill_inputs(2, 16, 576, 64, 32)
+    assert _kernel(anymla.flash_mla_sparse_fwd, args, lambda: tuning.forced(mma_v2=False)) == "portable sparse kernel"
+    assert _kernel(anymla.flash_mla_sparse_fwd, args, lambda: tuning.forced(mma_v2=True)) == "none: ValueError"
 
-    assert callable(mma_v2_call("sparse_prefill", prefill_inputs(2, 16, 576, 64, 32)))
-    assert mma_v2_call("sparse_prefill", prefill_inputs(2, 16, 576, 64, 32, h_kv=2)) is None
-    decode = lambda fmt, **kw: sparse_decode_inputs(1, 1, 16, 64, 32, fmt=fmt, **kw)  # noqa: E731
-    assert callable(mma_v2_call("sparse_decode", decode(KVCacheFormat.V32_FP8)))
-    for fmt in (KVCacheFormat.MODEL1_FP8, KVCacheFormat.V41_FP8, KVCacheFormat.BF16):
-        assert mma_v2_call("sparse_decode", decode(fmt)) is None, fmt
-    extra = dict(fmt=KVCacheFormat.V32_FP8, page=64, s_k=64, topk=32)
-    assert mma_v2_call("sparse_decode", decode(KVCacheFormat.V32_FP8, extra=extra)) is None
-    assert mma_v2_call("dense_decode", {}) is None
+
+def test_mma_v2_kernels_take_calls_only_on_mma_sync_gpus(monkeypatch):
+    """sm_80, sm_86/89 and sm_120 (patched in here) are theirs; sm_90 only as the stand-in (DISABLE_MMA_V3=1),
+    never sm_100, older GPUs, AMD or the CPU; switched off or a forced portable tile keeps the portable kernel,
+    and forcing them where they cannot run raises with the reasons."""
+    from anymla.triton_kernels import runtime, tuning
+    from anymla.triton_kernels.ampere import serve
+    assert serve.device_reasons(torch.device("cpu")) == ["they run on NVIDIA GPUs only"]
+    gpu = torch.device("cuda", 0)
+    capability = {}
+    monkeypatch.setattr(runtime, "rocm", lambda: False)
+    monkeypatch.setattr(runtime, "gluon_ampere", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["now"])
+    monkeypatch.delenv("DISABLE_MMA_V3", raising=False)
+    for cap, theirs in (((8, 0), True), ((8, 6), True), ((8, 9), True), ((12, 0), True), ((7, 5), False),
+                        ((9, 0), False), ((10, 0), False)):
+        capability["now"] = cap
+        assert (serve.device_reasons(gpu) == []) == theirs, cap
+    capability["now"] = (9, 0)
+    monkeypatch.setenv("DISABLE_MMA_V3", "1")
+    assert serve.device_reasons(gpu) == []
+    with tuning.forced(mma_v2=False):
+        assert serve.device_reasons(gpu)[0].startswith("turned off")
+    with tuning.forced(TileConfig(16, 32, 4, 2)):
+        assert serve.device_reasons(gpu) == ["a tile of the portable kernel is forced"]
+    monkeypatch.setattr(runtime, "rocm", lambda: True)
+    assert serve.device_reasons(gpu) == ["they run on NVIDIA GPUs only"]
+    assert serve.use([], []) and not serve.use(["x"], [])
+    with tuning.forced(mma_v2=True), pytest.raises(ValueError, match="mma_v2 kernel was forced, but: x; y"):
+        serve.use(["x"], ["y"])
+
+
+def test_mma_v2_kernels_state_why_they_do_not_take_a_call():
+    """Prefill: one kv head, d_qk 512/576 with d_v 512, 16-bit q and kv alike, 33 heads or more (unless forced);
+    decoding: a V3.2 FP8 cache alone and bf16 q. What explain() then says."""
+    from anymla.kvcache import KVCacheFormat as F
+    from anymla.problems import decode_problem
+    from anymla.testing import prefill_inputs, sparse_decode_inputs
+    from anymla.triton_kernels import tuning
+    from anymla.triton_kernels.ampere import serve
+
+    def prefill(h_q=64, d=576, **kw):
+        a = prefill_inputs(2, h_q, d, 64, 32, **kw)
+        return serve.prefill_reasons(a["q"], a["kv"], 512)
+
+    assert prefill() == [] and prefill(d=512) == [] and prefill(h_q=40) == []
+    assert "16 heads a token" in prefill(h_q=16)[0]
+    with tuning.forced(mma_v2=True):
+        assert prefill(h_q=16) == []
+    assert any("h_kv 2" in r for r in prefill(h_q=128, h_kv=2))
+    assert any("float32" in r for r in prefill(dtype=torch.float32))
+
+    def decode(fmt, h_q=64, **kw):
+        a = sparse_decode_inputs(1, 1, h_q, 64, 32, fmt=fmt, poison=False, **kw)
+        return serve.decode_reasons(decode_problem(
+            a["q"], a["k_cache"], None, None, 512, None, False, False, a["indices"], None, a.get("extra_k_cache"),
+            a.get("extra_indices_in_kvcache"), None, None, False, None))
+
+    assert decode(F.V32_FP8) == [] and decode(F.V32_FP8, h_q=128) == []
+    for fmt in (F.MODEL1_FP8, F.V41_FP8, F.BF16):
+        assert f"a {fmt.name} cache" in decode(fmt)[0], fmt
+    assert "with an extra cache" in decode(F.V32_FP8, extra=dict(fmt=F.V32_FP8, page=64, s_k=64, topk=32))[0]
+    assert serve.running("64 keys a block").startswith("the mma_v2 sparse kernel (triton_kernels/ampere/")
+    assert serve.not_running([], ["y"]) == "; not the mma_v2 one: y" and serve.not_running(["x"], ["y"]) == ""
 
 
 def test_hopper_kernels_are_chosen_only_where_they_were_checked(monkeypatch):

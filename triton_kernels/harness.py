@@ -7,9 +7,9 @@ For each case of a suite of ``python -m anymla.bench`` (default: canonical; same
 same-run ceilings) it checks every configuration in :data:`SWEEP` against the PyTorch reference (FlashMLA's
 tolerances) and only then times it. Without ``--sweep`` it times the shipped configuration. ``--portable`` sweeps
 the portable kernels' tiles instead (:data:`PORTABLE_SWEEP`, the Hopper kernels off), the stand-in for the GPUs
-without them; with ``DISABLE_MMA_V3=1`` in the environment Triton lowers their ``tl.dot`` to mma.sync. ``--mma-v2``
-adds a row for the Gluon mma_v2 kernels (``ampere/``, not dispatched) where they serve the case, checked and
-timed the same way. Under a stand-in the compute ceiling is the same-setting Triton matmul, as in the bench. The user-facing
+without them; with ``DISABLE_MMA_V3=1`` in the environment Triton lowers their ``tl.dot`` to mma.sync, and the
+Gluon mma_v2 kernels (``ampere/``) take the calls they serve, as on those GPUs. ``--mma-v2`` times each
+configuration also with the mma_v2 kernels off (the Triton kernel), checked and timed the same way. Under a stand-in the compute ceiling is the same-setting Triton matmul, as in the bench. The user-facing
 comparison across backends is ``python -m anymla.bench``; this harness tunes the kernels themselves (see each
 NOTES.md).
 """
@@ -17,7 +17,6 @@ NOTES.md).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 from typing import NamedTuple, Optional
 
@@ -26,7 +25,6 @@ import torch
 import anymla
 from anymla.bench import machine, model
 from anymla.bench.ceilings import measure_ceilings
-from anymla.kvcache import KVCacheFormat, detect_format
 from anymla.bench.suites import build_inputs, suite_cases
 from anymla.bench.timing import Timer
 from anymla.testing import compare_outputs
@@ -41,6 +39,7 @@ class Config(NamedTuple):
     splits: Optional[int] = None
     tma: Optional[bool] = None
     warp_specialized: Optional[bool] = None
+    mma_v2: Optional[bool] = None
 
 
 # Configurations tried by --sweep, per case. Earlier sweeps and their outcomes: ../bench/results/h200/sweeps/
@@ -97,7 +96,7 @@ PORTABLE_SWEEP = {
 
 
 def _describe(config: Config) -> str:
-    tile, splits, tma, ws = config
+    tile, splits, tma, ws, mma = config
     if tile is None:
         text = "shipped"
     else:
@@ -105,30 +104,24 @@ def _describe(config: Config) -> str:
             ("branch" if tile.skip_scale else "select")
     text += "" if splits is None else f" sp{splits}"
     text += "" if tma is None else (" tma" if tma else " gather")
-    return text + ("" if ws is None else (" warp-specialized" if ws else " portable"))
+    text += "" if ws is None else (" warp-specialized" if ws else " portable")
+    return text + ("" if mma is None else (" mma_v2" if mma else " mma_v2 off"))
 
 
-def mma_v2_call(op: str, args: dict):
-    """A call of the Gluon mma_v2 kernel (``ampere/``) on a bench case's arguments, or None where none serves the
-    case: they take sparse prefill with one kv head and sparse decoding over a V3.2 FP8 cache alone."""
-    if op == "sparse_prefill" and args["kv"].shape[1] == 1:
-        from .ampere.launch import sparse_prefill
-        return lambda: sparse_prefill(args["q"], args["kv"], args["indices"], args["sm_scale"], args.get("d_v", 512),
-                                      args["topk_length"], args["attn_sink"])
-    if (op == "sparse_decode" and args.get("extra_k_cache") is None and args["k_cache"].element_size() == 1
-            and detect_format(args["k_cache"]) is KVCacheFormat.V32_FP8):
-        from .ampere.decode_launch import sparse_decode
-        return lambda: sparse_decode(args["q"], args["k_cache"], args["indices"], args["softmax_scale"],
-                                     args["topk_length"], args["attn_sink"])
-    return None
-
-
-def _timed_row(row: dict, call, op: str, expected, timer: Timer, cost, ceilings,
-               scope=contextlib.nullcontext()) -> None:
-    """Check ``call()`` against ``expected`` (FlashMLA's tolerances), then time it, both inside ``scope``; a wrong
-    or failing call is reported in ``row``'s status, never timed."""
+def _kernel(fn, args: dict, scope) -> str:
+    """Which kernel of the Triton tier the dispatcher's plan runs for the call (``explain()``'s first words)."""
     try:
-        with scope:
+        with scope():
+            return anymla.explain(fn, **args, backend="triton").kernel.split(" (")[0].removeprefix("the ")
+    except Exception as e:
+        return f"none: {type(e).__name__}"
+
+
+def _timed_row(row: dict, call, op: str, expected, timer: Timer, cost, ceilings, scope) -> None:
+    """Check ``call()`` against ``expected`` (FlashMLA's tolerances), then time it, both inside ``scope()``; a
+    wrong or failing call is reported in ``row``'s status, never timed."""
+    try:
+        with scope():
             compare_outputs(op, call(), expected)
             t = timer.measure(call)
         r = model.rates(cost, t.median_us, ceilings)
@@ -160,6 +153,8 @@ def run(suite: str, case_names, sweep: bool, reps: int, csv_path, portable: bool
                       backend="reference")
         cost = model.cost(case.op, args)
         configs = (PORTABLE_SWEEP if portable else SWEEP).get(case.name, []) if sweep else [Config()]
+        if mma_v2:
+            configs = [c for config in configs for c in (config, config._replace(mma_v2=False))]
         for config in configs:
             if portable:
                 config = config._replace(warp_specialized=False)
@@ -168,16 +163,15 @@ def run(suite: str, case_names, sweep: bool, reps: int, csv_path, portable: bool
             call_args = dict(args)
             if "tile_scheduler_metadata" in call_args:
                 call_args["tile_scheduler_metadata"], _ = anymla.get_mla_metadata()
-            _timed_row(row, lambda: fn(**call_args, backend="triton"), case.op, expected, timer, cost, ceilings,
-                       tuning.forced(tile, config.splits, config.tma, warp_specialized=config.warp_specialized))
+            def scope(config=config):
+                return tuning.forced(config.tile, config.splits, config.tma,
+                                     warp_specialized=config.warp_specialized, mma_v2=config.mma_v2)
+
+            row["kernel"] = _kernel(fn, call_args, scope)
+            _timed_row(row, lambda: fn(**call_args, backend="triton"), case.op, expected, timer, cost, ceilings, scope)
             shrunk = fit.shrunk_to(tile) if tile is not None and row["status"] == "ok" else set()
             if shrunk:  # timed, but not as the config asked for
                 row["config"] += " (ran as " + ", ".join(_describe(Config(t)) for t in shrunk) + ")"
-            emit(row)
-        call = mma_v2_call(case.op, args) if mma_v2 else None
-        if call is not None:
-            row = dict(case=case.name, config="mma_v2 (ampere/, not dispatched)")
-            _timed_row(row, call, case.op, expected, timer, cost, ceilings)
             emit(row)
         del args, expected
         torch.cuda.empty_cache()
@@ -190,8 +184,8 @@ def run(suite: str, case_names, sweep: bool, reps: int, csv_path, portable: bool
 class _CsvSink:
     """Rows written as they come, so a run stopped by a time limit keeps what it measured."""
 
-    FIELDS = ["device", "copy_gbps", "matmul_tflops", "case", "config", "status", "us", "tflops", "gbps", "x_matmul",
-              "x_copy"]
+    FIELDS = ["device", "copy_gbps", "matmul_tflops", "case", "config", "kernel", "status", "us", "tflops", "gbps",
+              "x_matmul", "x_copy"]
 
     def __init__(self, path, ceilings):
         self.file = open(path, "w", newline="") if path else None
@@ -208,9 +202,10 @@ class _CsvSink:
 
 
 def _fmt(r: dict) -> str:
+    head = f"{r['case']:30s} {r['config']:34s} {r.get('kernel', ''):28s}"
     if r["status"] != "ok":
-        return f"{r['case']:30s} {r['config']:34s} {r['status']}"
-    return (f"{r['case']:30s} {r['config']:34s} {r['us']:9.1f} us {r['tflops']:6.1f} TF/s {r['gbps']:7.0f} GB/s  "
+        return f"{head} {r['status']}"
+    return (f"{head} {r['us']:9.1f} us {r['tflops']:6.1f} TF/s {r['gbps']:7.0f} GB/s  "
             f"x_matmul {r['x_matmul']:.3f} x_copy {r['x_copy']:.3f}")
 
 
@@ -221,7 +216,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="try every configuration in SWEEP")
     ap.add_argument("--portable", action="store_true", help="the portable kernels only (PORTABLE_SWEEP with --sweep)")
     ap.add_argument("--mma-v2", action="store_true",
-                    help="also the Gluon mma_v2 kernels (ampere/) where they serve a case")
+                    help="each configuration also with the Gluon mma_v2 kernels (ampere/) off")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--csv")
     a = ap.parse_args()

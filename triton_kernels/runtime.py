@@ -148,6 +148,25 @@ def gluon_hopper() -> bool:
     return hasattr(gl, "warp_specialize")
 
 
+@functools.lru_cache(maxsize=None)
+def gluon_ampere() -> bool:
+    """Triton's Gluon dialect with ``mma_v2`` and ``cp.async`` (the kernels of ``ampere/``), in a version they
+    were checked with (the same as the Hopper kernels')."""
+    import triton
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) not in _GLUON_VERSIONS:
+        return False
+    try:
+        from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def mma_v3_disabled() -> bool:
+    """DISABLE_MMA_V3 as Triton reads it (1, true or on, any case): tl.dot lowered to mma.sync, not wgmma."""
+    return os.environ.get("DISABLE_MMA_V3", "").lower() in ("1", "true", "on")
+
+
 def portable_loads(device: torch.device) -> bool:
     """Byte-assembled loads instead of pointer casts, a select instead of join-and-reshape (Ascend)."""
     from .tuning import forced_portable

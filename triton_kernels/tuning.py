@@ -33,15 +33,17 @@ class TileConfig:
 
 
 def forced(tile: Optional["TileConfig"] = None, num_splits: Optional[int] = None, tma: Optional[bool] = None,
-           portable: Optional[bool] = None, warp_specialized: Optional[bool] = None):
-    """Pin the tile config, split count, use of TMA tiles, of Ascend-portable loads and/or of the
-    warp-specialized Hopper kernels of every call inside the block (sweeps and tests); a context manager.
+           portable: Optional[bool] = None, warp_specialized: Optional[bool] = None, mma_v2: Optional[bool] = None):
+    """Pin the tile config, split count, use of TMA tiles, of Ascend-portable loads, of the warp-specialized
+    Hopper kernels and/or of the ``mma_v2`` kernels (``ampere/``) of every call inside the block (sweeps and
+    tests); a context manager.
 
     Scoped like ``anymla.use_backend`` (a context variable, so threads and tasks do not see each other's) and
     part of the dispatcher's decision key: plans made inside the block are never reused outside it."""
     from anymla.selection import scoped_settings
     return scoped_settings(triton_tile=tile, triton_num_splits=num_splits, triton_tma=tma,
-                           triton_portable=portable, triton_warp_specialized=warp_specialized)
+                           triton_portable=portable, triton_warp_specialized=warp_specialized,
+                           triton_mma_v2=mma_v2)
 
 
 def _forced(name: str):
@@ -74,6 +76,16 @@ _HOPPER_OFF_BY_ENV = os.environ.get("ANYMLA_HOPPER_KERNELS") == "0"
 def forced_warp_specialized() -> Optional[bool]:
     scoped = _forced("warp_specialized")
     return False if scoped is None and _HOPPER_OFF_BY_ENV else scoped
+
+
+# ANYMLA_MMA_V2=0 likewise switches the mma_v2 kernels off for the whole process (the portable kernel then serves
+# the GPUs they would); a scoped tuning.forced(mma_v2=...) still wins.
+_MMA_V2_OFF_BY_ENV = os.environ.get("ANYMLA_MMA_V2") == "0"
+
+
+def forced_mma_v2() -> Optional[bool]:
+    scoped = _forced("mma_v2")
+    return False if scoped is None and _MMA_V2_OFF_BY_ENV else scoped
 
 
 def _rows_block(rows: int, cap: int) -> int:

@@ -1,8 +1,7 @@
 """Host side of the ``mma_v2`` sparse decoding kernel (``decode.py``) over V3.2 FP8 caches: its tile, its split
-count and the launch (with the combine of split partials).
-
-Not wired into the dispatcher: ``NOTES.md`` says what has been checked (offline compiles; its GPU agreement
-tests have not yet compared values).
+count and the launch (a launch plan's, ``DecodeLaunch``, and a standalone call's with the combine of split
+partials, ``sparse_decode``). ``serve.py`` says when the dispatcher's plans take it; ``NOTES.md`` what has been
+checked and measured.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import triton
 from anymla import buffers
 
 from .. import runtime
+from ..launcher import Launcher
 from ..splits import Combine, choose_num_splits, workspaces
 from .launch import HEADS, K_STEP, check_rows, shared_bytes
 
@@ -67,6 +67,45 @@ def _check(q, kv_cache, indices, topk_length, attn_sink) -> None:
         raise ValueError("attn_sink: expected [h_q] fp32")
 
 
+class DecodeLaunch:
+    """The kernel's launch for one call signature, as ``sparse_mla.launch.SparseDecodePlan`` calls a decoding
+    launch: ``tokens`` queries of ``h_q`` heads over one V3.2 cache, whether lengths and sinks come, the split
+    count; ``tile`` BLOCK_N instead of the device's ``choose_decode_tile``, ``native_fp8`` False for the bit
+    arithmetic of sm_80/86 on any GPU."""
+
+    def __init__(self, device: torch.device, tokens: int, h_q: int, has_len: bool, has_sink: bool, num_splits: int,
+                 tile: Optional[int] = None, native_fp8: Optional[bool] = None):
+        from .decode import sparse_decode_mma_v2_kernel  # Gluon: imported where it can run
+        native = runtime.native_fp8(device) if native_fp8 is None else native_fp8
+        self.block_n = tile or choose_decode_tile(runtime.max_shared_memory(device), native)
+        self.hb = triton.cdiv(h_q, HEADS)
+        self.grid = (tokens * self.hb, num_splits, 1)
+        self.constexprs = [has_len, has_sink, num_splits > 1, native, self.block_n, K_STEP]
+        self.launcher = Launcher(sparse_decode_mma_v2_kernel, num_warps=8)
+
+    def __call__(self, call, typed, len_div: int, sm_scale: float, num_splits: int, ws) -> None:
+        """``call``: the call's tensors (``sparse_mla.launch.CallTensors``: q ``[b, s_q, h_q, 576]`` viewable as
+        ``[tokens, h_q, 576]``, out and lse contiguous); ``typed()``: ``(q, main, extra, out [tokens, h_q, 512],
+        lse [tokens, h_q])`` with the cache as a ``Source`` (bytes, paging, indices ``[tokens, 1, topk]``),
+        built only when the launcher needs the whole argument list. q is copied where its address is not
+        16-byte aligned (its rows are copied 16 bytes at a time; the signature does not key q's address)."""
+        c = call
+        q = c.q if c.q.data_ptr() % 16 == 0 else c.q.clone()
+        po, plse = (None, None) if ws is None else (ws.partial_out, ws.partial_lse)
+        scale = sm_scale * math.log2(math.e)
+        values = (q, c.kv, c.indices, c.length, c.sink, c.out, c.lse, po, plse, scale)
+
+        def full():
+            _, main, _, out, lse = typed()
+            rows, idx = q.reshape(-1, *q.shape[-2:]), main.indices
+            return [rows, rows.stride(0), rows.stride(1), main.kv, main.stride_block, main.stride_row, main.page,
+                    main.rows, idx, idx.stride(0), idx.shape[-1], main.length, len_div, c.sink, out, out.stride(0),
+                    out.stride(1), lse, lse.stride(0), po, plse, rows.shape[1], self.hb, num_splits, scale,
+                    *self.constexprs]
+
+        self.launcher.bind(self.grid, values, full)
+
+
 def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                   topk_length: Optional[torch.Tensor] = None, attn_sink: Optional[torch.Tensor] = None,
                   num_splits: Optional[int] = None, tile: Optional[int] = None, *,
@@ -78,32 +117,31 @@ def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor
     token (default: enough programs for every multiprocessor, ``splits.choose_num_splits``); ``tile``: BLOCK_N
     instead of the device's ``choose_decode_tile``; ``native_fp8``: False decodes the codes with the bit
     arithmetic of sm_80/86 on any GPU (the default is what the device has)."""
+    from anymla.kvcache import KVCacheFormat
+
+    from ..sparse_mla.launch import CallTensors, Source
     _check(q, kv_cache, indices, topk_length, attn_sink)
-    from .decode import sparse_decode_mma_v2_kernel  # Gluon: imported where it can run
     b, s_q, h_q, _ = q.shape
     tokens, topk = b * s_q, indices.shape[-1]
     out = buffers.empty(b, s_q, h_q, 512, dtype=q.dtype, device=q.device)
     lse = buffers.empty(b, s_q, h_q, dtype=torch.float32, device=q.device)
     if tokens == 0 or h_q == 0:
         return out, lse.transpose(1, 2)
-    q_rows = q.reshape(tokens, h_q, 576)
-    idx = indices.reshape(tokens, topk).contiguous()
-    kv = kv_cache.view(torch.uint8)
+    idx = indices.reshape(tokens, 1, topk).contiguous()
     native = runtime.native_fp8(q.device) if native_fp8 is None else native_fp8
     block_n = tile or choose_decode_tile(runtime.max_shared_memory(q.device), native)
-    hb = triton.cdiv(h_q, HEADS)
     # One program a multiprocessor at a time (~250 registers x 256 threads)
-    splits = num_splits or choose_num_splits(tokens * hb, triton.cdiv(topk, block_n), runtime.num_cores(q.device),
-                                             1, False)
+    splits = num_splits or choose_num_splits(tokens * triton.cdiv(h_q, HEADS), triton.cdiv(topk, block_n),
+                                             runtime.num_cores(q.device), 1, False)
     ws = workspaces(splits, tokens, h_q, q.device)
-    po, plse = (None, None) if ws is None else (ws.partial_out, ws.partial_lse)
-    nb, page = kv.shape[:2]
-    sparse_decode_mma_v2_kernel[(tokens * hb, splits)](
-        q_rows, q_rows.stride(0), q_rows.stride(1), kv, kv.stride(0), kv.stride(1), page, nb * page, idx,
-        idx.stride(0), topk, topk_length, s_q, attn_sink, out, h_q * 512, 512, lse, h_q, po, plse, h_q, hb, splits,
-        sm_scale * math.log2(math.e),
-        HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None, SPLIT=ws is not None, NATIVE_FP8=native,
-        BLOCK_N=block_n, K_STEP=K_STEP, num_warps=8)
+    call = CallTensors(q, kv_cache, idx, topk_length, None, None, None, attn_sink, out, lse, None)
+
+    def typed():
+        main = Source.paged(kv_cache, KVCacheFormat.V32_FP8, idx, topk_length)
+        return q.reshape(tokens, h_q, 576), main, None, out.view(tokens, h_q, 512), lse.view(tokens, h_q)
+
+    DecodeLaunch(q.device, tokens, h_q, topk_length is not None, attn_sink is not None, splits, block_n, native)(
+        call, typed, s_q, sm_scale, splits, ws)
     if ws is not None:
         _combine(splits, h_q, attn_sink is not None)(ws, out, lse, 1, (h_q * 512, 0, 512), (h_q, 0, 1), attn_sink)
     return out, lse.transpose(1, 2)

@@ -1,7 +1,6 @@
-"""Host side of the ``mma_v2`` sparse prefill kernel: its tile for a GPU's shared memory, and the launch.
-
-Not wired into the dispatcher: ``NOTES.md`` says what has been checked (its agreement tests on a GPU; no timing
-yet).
+"""Host side of the ``mma_v2`` sparse prefill kernel: its tile for a GPU's shared memory, and the launch (a
+launch plan's, ``PrefillLaunch``, and a standalone call's, ``sparse_prefill``). ``serve.py`` says when the
+dispatcher's plans take it; ``NOTES.md`` what has been checked and measured.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import triton
 from anymla import buffers
 
 from .. import runtime
+from ..launcher import Launcher
 
 HEADS = 64  # query heads a program (the kernel's BLOCK_H)
 # (BLOCK_N, NUM_STAGES), preferred first: 64 keys double-buffered fit sm_90 / sm_100 (227 KB), 32 fit sm_80
@@ -62,6 +62,33 @@ def _check(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, t
         raise ValueError("attn_sink: expected [h_q] fp32")
 
 
+class PrefillLaunch:
+    """The kernel's launch for one call signature: q ``[s_q, h_q, d_qk]``, kv ``[s_kv, 1, d_qk]`` (16-bit, rows
+    16-byte aligned), whether lengths and sinks come; ``tile`` ``(BLOCK_N, NUM_STAGES)`` instead of the
+    device's ``choose_tile``."""
+
+    def __init__(self, q: torch.Tensor, kv: torch.Tensor, has_len: bool, has_sink: bool,
+                 tile: Optional[tuple[int, int]] = None):
+        from .kernel import sparse_prefill_mma_v2_kernel  # Gluon: imported where it can run
+        s_q, h_q, d = q.shape
+        self.tile = tile or choose_tile(d, runtime.max_shared_memory(q.device))
+        self.hb = triton.cdiv(h_q, HEADS)
+        self.grid = (s_q * self.hb, 1, 1)
+        self.constexprs = [d, has_len, has_sink, *self.tile, K_STEP]
+        self.launcher = Launcher(sparse_prefill_mma_v2_kernel, num_warps=8)
+
+    def __call__(self, q, kv, indices, topk_length, sink, sm_scale: float, out, lse, max_logits) -> None:
+        """indices ``[s_q, 1, topk]`` (topk contiguous), topk_length ``[s_q]``; out ``[s_q, h_q, 512]``, lse and
+        max_logits ``[s_q, h_q]``, contiguous. q is copied where its address is not 16-byte aligned (the kernel
+        copies its rows 16 bytes at a time, and the signature does not key q's address)."""
+        q = q if q.data_ptr() % 16 == 0 else q.clone()
+        scale = sm_scale * math.log2(math.e)
+        self.launcher.bind(self.grid, (q, kv, indices, topk_length, sink, out, lse, max_logits, scale), lambda: [
+            q, q.stride(0), q.stride(1), kv, kv.stride(0), kv.shape[0], indices, indices.stride(0),
+            indices.shape[-1], topk_length, sink, out, out.stride(0), out.stride(1), lse, max_logits, q.shape[1],
+            self.hb, scale, *self.constexprs])
+
+
 def sparse_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int = 512,
                    topk_length: Optional[torch.Tensor] = None,
                    attn_sink: Optional[torch.Tensor] = None, *,
@@ -69,20 +96,12 @@ def sparse_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_
     """``flash_mla_sparse_fwd`` on the ``mma_v2`` kernel: ``(out [s_q, h_q, 512], max_logits, lse [s_q, h_q])``.
     ``tile``: ``(BLOCK_N, NUM_STAGES)`` instead of the device's ``choose_tile`` (tests run every tile on one GPU)."""
     _check(q, kv, indices, d_v, topk_length, attn_sink)
-    from .kernel import sparse_prefill_mma_v2_kernel  # Gluon: imported where it can run
     s_q, h_q, d = q.shape
     indices = indices.contiguous()
     out = buffers.empty(s_q, h_q, 512, dtype=q.dtype, device=q.device)
     lse = buffers.empty(s_q, h_q, dtype=torch.float32, device=q.device)
     max_logits = buffers.empty(s_q, h_q, dtype=torch.float32, device=q.device)
-    if s_q == 0 or h_q == 0:
-        return out, max_logits, lse
-    block_n, stages = tile or choose_tile(d, runtime.max_shared_memory(q.device))
-    hb = triton.cdiv(h_q, HEADS)
-    sparse_prefill_mma_v2_kernel[(s_q * hb,)](
-        q, q.stride(0), q.stride(1), kv, kv.stride(0), kv.shape[0], indices, indices.stride(0), indices.shape[-1],
-        topk_length, attn_sink, out, out.stride(0), out.stride(1), lse, max_logits, h_q, hb,
-        sm_scale * math.log2(math.e),
-        D_QK=d, HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None, BLOCK_N=block_n,
-        NUM_STAGES=stages, K_STEP=K_STEP, num_warps=8)
+    if s_q and h_q:
+        PrefillLaunch(q, kv, topk_length is not None, attn_sink is not None, tile)(
+            q, kv, indices, topk_length, attn_sink, sm_scale, out, lse, max_logits)
     return out, max_logits, lse

@@ -18,6 +18,7 @@ from anymla import buffers
 from anymla.kvcache import KVCacheFormat
 
 from .. import runtime
+from ..ampere import serve as mma_v2
 from ..fit import FittedKernel
 from ..hopper import launch as hopper
 from ..splits import Combine, choose_num_splits, workspaces
@@ -142,14 +143,27 @@ class SparsePrefillPlan:
         tile = sparse_config(runtime.device_kind(q.device), h_q // h_kv, False)
         reasons = hopper.sparse_prefill_reasons(q, kv, indices, tile)
         self.hopper = hopper.use(reasons)
+        mma_device = [] if self.hopper else mma_v2.device_reasons(q.device)
+        mma_call = [] if self.hopper or mma_device else mma_v2.prefill_reasons(q, kv, p.d_v)
+        self.mma_v2 = not self.hopper and mma_v2.use(mma_device, mma_call)
         form = ""
+        has_len, has_sink = p.topk_length is not None, p.attn_sink is not None
         if self.hopper:
             shape, form = hopper.program_shape("sparse_prefill", h_q)
-            self.launch = hopper.SparsePrefillLaunch(shape, q, kv, p.topk_length is not None, p.attn_sink is not None)
+            self.launch = hopper.SparsePrefillLaunch(shape, q, kv, has_len, has_sink)
+        elif self.mma_v2:
+            from ..ampere.launch import PrefillLaunch
+            self.launch = PrefillLaunch(q, kv, has_len, has_sink)
         else:
-            self.launch = _Portable(q.device, tile, d, KVCacheFormat.BF16, None, p.topk_length is not None, False,
-                                    p.attn_sink is not None, True, False, s_q, h_q, h_kv)
-        self.description = hopper.describe(reasons, "sparse", tile, 1, form)
+            self.launch = _Portable(q.device, tile, d, KVCacheFormat.BF16, None, has_len, False, has_sink, True,
+                                    False, s_q, h_q, h_kv)
+        if self.mma_v2:
+            block_n, stages = self.launch.tile
+            self.description = (mma_v2.running(f"{block_n} keys a block, {stages} stages") + "; not the Hopper "
+                                "one: " + "; ".join(reasons))
+        else:
+            self.description = hopper.describe(reasons, "sparse", tile, 1, form) + mma_v2.not_running(mma_device,
+                                                                                                      mma_call)
         # No row to attend (s_kv or topk 0): every token's result is fixed, and Triton 3.6 fails compiling the
         # Hopper kernel for an empty kv (H200, 2026-12-01), so no kernel runs.
         self.nothing_to_attend = kv.shape[0] == 0 or indices.shape[-1] == 0
@@ -169,7 +183,7 @@ class SparsePrefillPlan:
             out.zero_()
             max_logits.fill_(-math.inf)
             lse.fill_(math.inf)
-        elif self.hopper:
+        elif self.hopper or self.mma_v2:
             self.launch(q, kv, indices, p.topk_length, p.attn_sink, p.sm_scale, out, lse, max_logits)
         else:
             call = CallTensors(q, kv, indices, p.topk_length, None, None, None, p.attn_sink, out, lse, max_logits)
@@ -219,7 +233,12 @@ class SparseDecodePlan:
             self.description = hopper.describe(reasons, "sparse", tile, 1,
                                                f"the sparse prefill kernel over the cache's rows as one kv; {form}")
             return
-        shape, form = hopper.program_shape("sparse_decode", h_q) if self.hopper else (tile, "")  # the programs to fill
+        mma_device = [] if self.hopper else mma_v2.device_reasons(p.device)
+        mma_call = [] if self.hopper or mma_device else mma_v2.decode_reasons(p)
+        self.mma_v2 = not self.hopper and mma_v2.use(mma_device, mma_call)
+        # the programs to fill
+        shape, form = hopper.program_shape("sparse_decode", h_q) if self.hopper else \
+            (mma_v2.decode_programs(p.device) if self.mma_v2 else tile, "")
         keys = p.indices.shape[-1] + (0 if p.extra_indices is None else p.extra_indices.shape[-1])
         self.num_splits = choose_num_splits(tokens * triton.cdiv(h_q, shape.block_h), triton.cdiv(keys, shape.block_n),
                                             cores, shape.programs_per_core, p.batch_invariant)
@@ -227,11 +246,19 @@ class SparseDecodePlan:
         if self.hopper:
             self.launch = hopper.SparseDecodeLaunch(shape, tokens, h_q, d, _FMT_CODE[fmt], _FMT_CODE[x_fmt or fmt],
                                                     has_x, has_len, has_x_len, has_sink, split, p.q.dtype)
+        elif self.mma_v2:
+            from ..ampere.decode_launch import DecodeLaunch
+            self.launch = DecodeLaunch(p.device, tokens, h_q, has_len, has_sink, self.num_splits, shape.block_n)
         else:
             self.launch = _Portable(p.device, tile, d, fmt, x_fmt, has_len, has_x_len, has_sink, False, split,
                                     tokens, h_q, 1)
         self.combine = Combine(self.num_splits) if split else None
-        self.description = hopper.describe(reasons, "sparse", tile, self.num_splits, form)
+        if self.mma_v2:
+            self.description = (mma_v2.running(f"{shape.block_n} keys a block") + "; not the Hopper one: " +
+                                "; ".join(reasons) + (f"; {self.num_splits} splits along the keys" if split else ""))
+        else:
+            self.description = hopper.describe(reasons, "sparse", tile, self.num_splits, form) + \
+                mma_v2.not_running(mma_device, mma_call)
 
     def _kernel_q(self, q: torch.Tensor) -> torch.Tensor:
         """q as the kernels read it: ``[tokens, h_q, d_qk]``, d_qk contiguous."""

@@ -1,0 +1,106 @@
+"""Whether the ``mma_v2`` kernels of this folder take a call of the Triton tier (no reasons: they do).
+
+They are written for the NVIDIA GPUs whose matrix instruction is ``mma.sync``: sm_80 (A100), sm_86 / sm_89
+(RTX 30xx / 40xx, A10, L40S) and sm_120 (RTX 50xx). A Hopper GPU runs them only as those GPUs' stand-in: with
+``DISABLE_MMA_V3=1`` (Triton's ``tl.dot`` on mma.sync too) and the Hopper kernels off, which is what
+``python -m anymla.bench --portable --mma-sync`` measures. sm_100 keeps the portable kernel (its ``tl.dot``
+has Blackwell's own matrix instructions). ``tuning.forced(mma_v2=False)`` or ``ANYMLA_MMA_V2=0`` switches them
+off; ``tuning.forced(mma_v2=True)`` insists on them (an error naming the reasons where a call does not fit).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from anymla.kvcache import KVCacheFormat
+
+from .. import runtime
+from ..tuning import TileConfig, forced_mma_v2, forced_tile
+from .launch import HEADS
+
+# Heads a token from which they take a call: their programs are 64 heads, so fewer waste rows; below this the
+# portable kernel's 16- and 32-head tiles serve (the mma_v2 kernels are measured at 64 and 128 heads only).
+FEWEST_HEADS = 33
+
+
+def device_reasons(device: torch.device) -> list[str]:
+    """Why they do not run on ``device`` at all (empty: it is theirs)."""
+    if forced_mma_v2() is False:
+        return ["turned off (tuning.forced(mma_v2=False), or ANYMLA_MMA_V2=0)"]
+    if device.type != "cuda" or runtime.rocm():
+        return ["they run on NVIDIA GPUs only"]
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return [f"sm_{major}{minor}: they need sm_80 or newer"]
+    if major == 9 and not runtime.mma_v3_disabled():
+        return ["an sm_90 GPU has wgmma: they run there only as the mma.sync stand-in (DISABLE_MMA_V3=1)"]
+    if major == 10:
+        return ["sm_100: the portable kernel's tl.dot has Blackwell's matrix instructions there"]
+    if not runtime.gluon_ampere():
+        return [f"Triton {triton.__version__}'s Gluon is not a version they were checked with (3.6, 3.7)"]
+    if forced_tile() is not None:
+        return ["a tile of the portable kernel is forced"]
+    return []
+
+
+def _heads_reasons(h_q: int) -> list[str]:
+    if h_q < FEWEST_HEADS and not forced_mma_v2():
+        return [f"{h_q} heads a token: fewer than {FEWEST_HEADS}, where the portable kernel's smaller head tiles "
+                f"waste fewer rows than their 64-head programs"]
+    return []
+
+
+def prefill_reasons(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> list[str]:
+    """Why the mma_v2 prefill kernel does not serve ``flash_mla_sparse_fwd`` with q ``[s_q, h_q, d_qk]`` and kv
+    ``[s_kv, h_kv, d_qk]`` as the kernel reads them, on a device of theirs (empty: it does)."""
+    reasons = _heads_reasons(q.shape[1])
+    if kv.shape[1] != 1:
+        reasons.append(f"h_kv {kv.shape[1]}: it takes one kv head")
+    if q.shape[-1] not in (512, 576) or d_v != 512:
+        reasons.append(f"d_qk {q.shape[-1]}, d_v {d_v}: it takes d_qk 512 or 576 and d_v 512")
+    if q.dtype != kv.dtype or q.dtype not in (torch.bfloat16, torch.float16):
+        reasons.append(f"q {q.dtype} and kv {kv.dtype}: it takes bf16 or fp16, the same for both")
+    if kv.data_ptr() % 16 or any(s * kv.element_size() % 16 for s in kv.stride()[:-1]):
+        reasons.append("kv's rows are not 16-byte aligned (it copies them 16 bytes at a time)")
+    return reasons
+
+
+def decode_reasons(p) -> list[str]:
+    """Why the mma_v2 decoding kernel does not serve the sparse decoding call ``p`` (a validated SparseDecode) on
+    a device of theirs (empty: it does): a V3.2 FP8 cache alone, rows back to back in 16-byte aligned blocks."""
+    reasons = _heads_reasons(p.q.shape[2])
+    if p.fmt is not KVCacheFormat.V32_FP8 or p.extra_k_cache is not None:
+        reasons.append(f"a {p.fmt.name} cache{' with an extra cache' if p.extra_k_cache is not None else ''}: it "
+                       "takes a V3.2 FP8 cache alone")
+    elif p.k_cache.stride(1) != p.k_cache.shape[-1] or p.k_cache.stride(0) % 16 or p.k_cache.data_ptr() % 16:
+        reasons.append("the cache's rows are not back to back in 16-byte aligned blocks")
+    if p.q.dtype != torch.bfloat16:
+        reasons.append(f"q {p.q.dtype}: it takes bf16")
+    return reasons
+
+
+def decode_programs(device: torch.device) -> TileConfig:
+    """The decoding kernel's programs as the split choice counts them: 64 heads, its keys a block on ``device``,
+    8 warps, one program a multiprocessor (~250 registers x 256 threads)."""
+    from .decode_launch import choose_decode_tile
+    block_n = choose_decode_tile(runtime.max_shared_memory(device), runtime.native_fp8(device))
+    return TileConfig(HEADS, block_n, 8, 1)
+
+
+def use(device: list[str], call: list[str]) -> bool:
+    """Whether to launch an mma_v2 kernel, given the device's and the call's reasons against it; a forced one
+    that cannot run raises with every reason."""
+    if (device or call) and forced_mma_v2():
+        raise ValueError("the mma_v2 kernel was forced, but: " + "; ".join(device + call))
+    return not (device or call)
+
+
+def running(tile: str) -> str:
+    """``explain()``'s words for the kernel where it runs (``tile``: its keys a block and stages)."""
+    return f"the mma_v2 sparse kernel (triton_kernels/ampere/: {HEADS} heads a program, {tile}, 8 warps)"
+
+
+def not_running(device: list[str], call: list[str]) -> str:
+    """``explain()``'s words where it does not run: why, on a device of theirs ("" elsewhere: nothing to say)."""
+    return "" if device or not call else "; not the mma_v2 one: " + "; ".join(call)
