@@ -318,11 +318,12 @@ AMPERE_ARCHS = ("80", "86", "89", "90", "120")
 def ampere_reports(arch: Arch, sass: bool = False) -> list:
     """(label, report, expected shared memory) of the ``mma_v2`` kernels (``ampere/``) with the tile their
     launches pick for ``arch`` (``launch.choose_tile``, ``decode_launch.choose_decode_tile``): sparse prefill at
-    d_qk 576 and 512, and sparse decoding over V3.2 FP8 (split, with lengths and sinks; fp8 conversions as
-    ``arch`` has them). The expected bytes are the launch's own estimate, which must match what the compiler
+    d_qk 576 and 512, sparse decoding over V3.2 FP8 (split, with lengths and sinks; fp8 conversions as ``arch``
+    has them) and dense decoding at d_qk 576 (causal, split, with sinks). The expected bytes are the launch's own estimate, which must match what the compiler
     allocated."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from .ampere.decode import sparse_decode_mma_v2_kernel
+    from .ampere.dense import dense_decode_mma_v2_kernel
     from .ampere.decode_launch import choose_decode_tile, decode_shared_bytes
     from .ampere.kernel import sparse_prefill_mma_v2_kernel
     from .ampere.launch import K_STEP, choose_tile, shared_bytes
@@ -338,6 +339,11 @@ def ampere_reports(arch: Arch, sass: bool = False) -> list:
     consts = dict(HAS_LEN=True, HAS_SINK=True, SPLIT=True, NATIVE_FP8=arch.native_fp8, BLOCK_N=block_n, K_STEP=K_STEP)
     r = report(sparse_decode_mma_v2_kernel, {**ptrs, "kv_ptr": "*u8"}, consts, 8, arch, GluonASTSource, sass=sass)
     jobs.append((f"mma_v2 decode v32 BN {block_n}", r, decode_shared_bytes(block_n)))
+    block_n, stages = choose_tile(576, arch.smem)
+    consts = dict(PAGE=64, D_QK=576, CAUSAL=True, HAS_SINK=True, SPLIT=True, BLOCK_N=block_n, NUM_STAGES=stages, K_STEP=K_STEP)
+    r = report(dense_decode_mma_v2_kernel, {**ptrs, "bt_ptr": "*i32", "lens_ptr": "*i32"}, consts, 8, arch,
+               GluonASTSource, sass=sass)
+    jobs.append((f"mma_v2 dense d576 BN {block_n} x{stages}", r, shared_bytes(576, block_n, stages)))
     return jobs
 
 
@@ -358,7 +364,7 @@ def main() -> None:
                          "the arch's budget")
     ap.add_argument("--hopper", action="store_true", help="the Gluon kernels of hopper/ (sm_90, shipped tile)")
     ap.add_argument("--ampere", action="store_true",
-                    help="the Gluon mma_v2 kernels of ampere/ (sparse prefill, V3.2 FP8 sparse decoding) for --arch "
+                    help="the Gluon mma_v2 kernels of ampere/ (sparse prefill, V3.2 FP8 sparse and dense decoding) for --arch "
                          "(one of %s) with the tiles their launches pick; exit status 1 if one spills, does not fit or "
                          "its launch misjudges its shared memory" % ", ".join(AMPERE_ARCHS))
     ap.add_argument("--sass", action="store_true", help="with --ampere: instructions a warp issues a key block")

@@ -9,22 +9,23 @@ and the layouts are ``mma.py``'s (shared with the decoding kernel, ``decode.py``
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from ..hopper.partitions import _store_output, block_indices
-from .mma import (BLOCK_H, ROWS, WIDE_ROWS, attend_block, barrier, copy_rows, initial_state, key_mask,
-                  operand_smem, program_token, stage_queries)
+from .mma import BLOCK_H, attend_blocks, key_mask, operand_smem, program_token, stage_queries
 
 
 @gluon.jit
-def _gather_block(k_smem, kr_smem, stage, j, kv_ptr, skv_r, s_kv, idx_row_ptr, length, D_QK: gl.constexpr):
-    """Start the copies of key block ``j``'s rows into ``stage`` (their own commit group is the caller's)."""
-    BLOCK_N: gl.constexpr = k_smem.shape[1]
-    idx = block_indices(idx_row_ptr, j, length, s_kv, BLOCK_N, gl.SliceLayout(1, WIDE_ROWS))
-    copy_rows(k_smem.index(stage), kv_ptr, gl.maximum(idx, 0).to(gl.int64) * skv_r, idx >= 0, 0, WIDE_ROWS)
-    if D_QK == 576:
-        idx = block_indices(idx_row_ptr, j, length, s_kv, BLOCK_N, gl.SliceLayout(1, ROWS))
-        copy_rows(kr_smem.index(stage), kv_ptr, gl.maximum(idx, 0).to(gl.int64) * skv_r, idx >= 0, 512, ROWS)
+def _index_rows(src, j, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
+    """Block ``j``'s kv rows as element offsets, and which to read (index -1, past ``s_kv`` or the length: none)."""
+    idx_row_ptr, length, s_kv, skv_r = src
+    idx = block_indices(idx_row_ptr, j, length, s_kv, BLOCK_N, LAYOUT)
+    return gl.maximum(idx, 0).to(gl.int64) * skv_r, idx >= 0
+
+
+@gluon.jit
+def _index_mask(src, j, BLOCK_N: gl.constexpr):
+    idx_row_ptr, length, s_kv, _ = src
+    return key_mask(idx_row_ptr, j, length, s_kv, BLOCK_N)
 
 
 # s_kv only bounds the indices: a new number of kv rows reuses the compiled kernel.
@@ -48,30 +49,8 @@ def sparse_prefill_mma_v2_kernel(
     else:
         kr_smem = k_smem
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], operand_smem(BLOCK_N))
-    for b in gl.static_range(NUM_STAGES - 1):
-        if b < n_blocks:
-            _gather_block(k_smem, kr_smem, b, b, kv_ptr, skv_r, s_kv, idx_row_ptr, length, D_QK)
-        async_copy.commit_group()
-
-    m_run, m_use, l, acc = initial_state()
-    for j in range(n_blocks):
-        stage = j % NUM_STAGES
-        if NUM_STAGES == 1:
-            barrier()  # every warp is done with the previous block's rows
-            _gather_block(k_smem, kr_smem, 0, j, kv_ptr, skv_r, s_kv, idx_row_ptr, length, D_QK)
-            async_copy.commit_group()
-        valid = key_mask(idx_row_ptr, j, length, s_kv, BLOCK_N)
-        async_copy.wait_group(max(NUM_STAGES - 2, 0))
-        # Block j's rows (every thread's copies) have landed, and every warp is done with block j - 1: its
-        # stage may be refilled and P's buffer rewritten.
-        barrier()
-        if NUM_STAGES > 1:
-            if j + NUM_STAGES - 1 < n_blocks:
-                _gather_block(k_smem, kr_smem, (j + NUM_STAGES - 1) % NUM_STAGES, j + NUM_STAGES - 1, kv_ptr,
-                              skv_r, s_kv, idx_row_ptr, length, D_QK)
-            async_copy.commit_group()
-        m_run, m_use, l, acc = attend_block(q_smem, qr_smem, k_smem.index(stage), kr_smem.index(stage), p_smem,
-                                            valid, scale_log2, m_run, m_use, l, acc, D_QK, K_STEP)
-    async_copy.wait_group(0)
+    src = (idx_row_ptr, length, s_kv, skv_r)
+    m_run, m_use, l, acc = attend_blocks(q_smem, qr_smem, k_smem, kr_smem, p_smem, 0, n_blocks, kv_ptr, src,
+                                         scale_log2, _index_rows, _index_mask, D_QK, K_STEP)
     out_args = (h_q, out_ptr, so_t, so_h, lse_ptr, max_ptr, sink_ptr, t, r0)
     _store_output(acc, l, m_use, m_run, out_args, True, False, HAS_SINK, 0)

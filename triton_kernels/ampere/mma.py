@@ -70,19 +70,26 @@ def program_token(hb_per_token, topk, len_ptr, len_div, HAS_LEN: gl.constexpr):
 def stage_queries(q_ptr, t, sq_t, sq_h, r0, h_q, D_QK: gl.constexpr):
     """``(q_smem [64, 512], qr_smem [64, 64])`` (d_qk 512: ``qr_smem`` is ``q_smem``): token ``t``'s heads
     ``[r0, r0 + 64)`` copied by ``cp.async`` in a commit group of their own (absent heads zero-filled)."""
+    heads = r0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ROWS))
+    return stage_rows(q_ptr, t.to(gl.int64) * sq_t + heads * sq_h, heads < h_q, D_QK)
+
+
+@gluon.jit
+def stage_rows(q_ptr, q_at, ok, D_QK: gl.constexpr):
+    """``(q_smem [64, 512], qr_smem [64, 64])`` (d_qk 512: ``qr_smem`` is ``q_smem``): the 64 query rows at
+    element offsets ``q_at`` (``SliceLayout(1, ROWS)``) copied by ``cp.async`` in a commit group of their own
+    (rows with ``ok`` false zero-filled)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, 512], operand_smem(512))
     if D_QK == 576:
         qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, 64], operand_smem(64))
     else:
         qr_smem = q_smem
-    heads = r0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ROWS))
-    q_at = t.to(gl.int64) * sq_t + heads * sq_h
     for c in gl.static_range(D_QK // 64):
         if c < 8:
-            copy_rows(q_smem.slice(c * 64, 64, dim=1), q_ptr, q_at, heads < h_q, c * 64, ROWS)
+            copy_rows(q_smem.slice(c * 64, 64, dim=1), q_ptr, q_at, ok, c * 64, ROWS)
         else:
-            copy_rows(qr_smem, q_ptr, q_at, heads < h_q, 512, ROWS)
+            copy_rows(qr_smem, q_ptr, q_at, ok, 512, ROWS)
     async_copy.commit_group()
     return q_smem, qr_smem
 
@@ -159,3 +166,52 @@ def attend_block(q_smem, qr_smem, k_tile, r_tile, p_smem, valid, scale_log2, m_r
         v = k_tile.slice(c * 16, 16, dim=0).load(v_l)
         acc = mma_v2(a, v, acc)
     return m_new, m_next, l, acc
+
+
+@gluon.jit
+def _copy_block(k_smem, kr_smem, stage, j, kv_ptr, src, ROWS_OF: gl.constexpr, D_QK: gl.constexpr):
+    """Start the copies of key block ``j``'s rows into ``stage`` (their commit group is the caller's):
+    ``ROWS_OF(src, j, BLOCK_N, layout)`` gives the rows' element offsets and which to read."""
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    at, ok = ROWS_OF(src, j, BLOCK_N, gl.SliceLayout(1, WIDE_ROWS))
+    copy_rows(k_smem.index(stage), kv_ptr, at, ok, 0, WIDE_ROWS)
+    if D_QK == 576:
+        at, ok = ROWS_OF(src, j, BLOCK_N, gl.SliceLayout(1, ROWS))
+        copy_rows(kr_smem.index(stage), kv_ptr, at, ok, 512, ROWS)
+
+
+@gluon.jit
+def attend_blocks(q_smem, qr_smem, k_smem, kr_smem, p_smem, j0, j1, kv_ptr, src, scale_log2,
+                  ROWS_OF: gl.constexpr, MASK_OF: gl.constexpr, D_QK: gl.constexpr, K_STEP: gl.constexpr):
+    """Key blocks ``[j0, j1)`` of a program, their rows copied from 16-bit ``kv_ptr`` into the NUM_STAGES
+    stages of ``k_smem`` [NUM_STAGES, BLOCK_N, 512] (and ``kr_smem``, the rope tails at d_qk 576): block j + 1's
+    copies travel while block j is attended. ``ROWS_OF(src, j, BLOCK_N, layout)``: block j's row offsets and
+    which rows to read (the others are zero-filled); ``MASK_OF(src, j, BLOCK_N)``: the keys to attend, ``[1,
+    BLOCK_N]`` or ``[64, BLOCK_N]`` in S's layout. Returns ``(m_run, m_use, l, acc)`` with every copy landed."""
+    NUM_STAGES: gl.constexpr = k_smem.shape[0]
+    for b in gl.static_range(NUM_STAGES - 1):
+        if j0 + b < j1:
+            _copy_block(k_smem, kr_smem, b, j0 + b, kv_ptr, src, ROWS_OF, D_QK)
+        async_copy.commit_group()
+    m_run, m_use, l, acc = initial_state()
+    for j in range(j0, j1):
+        i = j - j0
+        if NUM_STAGES == 1:
+            barrier()  # every warp is done with the previous block's rows
+            _copy_block(k_smem, kr_smem, 0, j, kv_ptr, src, ROWS_OF, D_QK)
+            async_copy.commit_group()
+        valid = MASK_OF(src, j, k_smem.shape[1])
+        async_copy.wait_group(max(NUM_STAGES - 2, 0))
+        # Block j's rows (every thread's copies) have landed, and every warp is done with block j - 1: its
+        # stage may be refilled and P's buffer rewritten.
+        barrier()
+        if NUM_STAGES > 1:
+            if j + NUM_STAGES - 1 < j1:
+                _copy_block(k_smem, kr_smem, (i + NUM_STAGES - 1) % NUM_STAGES, j + NUM_STAGES - 1, kv_ptr, src,
+                            ROWS_OF, D_QK)
+            async_copy.commit_group()
+        stage = i % NUM_STAGES
+        m_run, m_use, l, acc = attend_block(q_smem, qr_smem, k_smem.index(stage), kr_smem.index(stage), p_smem,
+                                            valid, scale_log2, m_run, m_use, l, acc, D_QK, K_STEP)
+    async_copy.wait_group(0)
+    return m_run, m_use, l, acc

@@ -17,10 +17,11 @@ from anymla.kvcache import KVCacheFormat
 
 from .. import runtime
 from ..tuning import TileConfig, forced_mma_v2, forced_tile
-from .launch import HEADS
+from .launch import HEADS, choose_tile
 
-# Heads a token from which they take a call: their programs are 64 heads, so fewer waste rows; below this the
-# portable kernel's 16- and 32-head tiles serve (the mma_v2 kernels are measured at 64 and 128 heads only).
+# Query rows (heads a token; in dense decoding s_q x h_q a request) from which they take a call: their programs
+# are 64 rows, so fewer waste rows; below this the portable kernel's 16- and 32-row tiles serve (the mma_v2
+# kernels are measured at 64 and 128 heads only).
 FEWEST_HEADS = 33
 
 
@@ -44,10 +45,10 @@ def device_reasons(device: torch.device) -> list[str]:
     return []
 
 
-def _heads_reasons(h_q: int) -> list[str]:
-    if h_q < FEWEST_HEADS and not forced_mma_v2():
-        return [f"{h_q} heads a token: fewer than {FEWEST_HEADS}, where the portable kernel's smaller head tiles "
-                f"waste fewer rows than their 64-head programs"]
+def _heads_reasons(rows: int, what: str = "heads a token") -> list[str]:
+    if rows < FEWEST_HEADS and not forced_mma_v2():
+        return [f"{rows} {what}: fewer than {FEWEST_HEADS}, where the portable kernel's smaller tiles waste fewer "
+                f"rows than their 64-row programs"]
     return []
 
 
@@ -61,7 +62,7 @@ def prefill_reasons(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> list[str]:
         reasons.append(f"d_qk {q.shape[-1]}, d_v {d_v}: it takes d_qk 512 or 576 and d_v 512")
     if q.dtype != kv.dtype or q.dtype not in (torch.bfloat16, torch.float16):
         reasons.append(f"q {q.dtype} and kv {kv.dtype}: it takes bf16 or fp16, the same for both")
-    if kv.data_ptr() % 16 or any(s * kv.element_size() % 16 for s in kv.stride()[:-1]):
+    if kv.data_ptr() % 16 or not _rows_aligned(kv):
         reasons.append("kv's rows are not 16-byte aligned (it copies them 16 bytes at a time)")
     return reasons
 
@@ -80,12 +81,48 @@ def decode_reasons(p) -> list[str]:
     return reasons
 
 
+def dense_reasons(p) -> list[str]:
+    """Why the mma_v2 dense decoding kernel does not serve the call ``p`` (a validated DenseDecode) on a device
+    of theirs (empty: it does): one kv head, d_qk 512 or 576, d_v 512, rows 16-byte aligned, and at least
+    FEWEST_HEADS query rows a request (``s_q x h_q``: its programs are 64 of them)."""
+    b, s_q, h_q, d = p.q.shape
+    reasons = _heads_reasons(s_q * h_q, "query rows a request")
+    if p.k_cache.shape[2] != 1:
+        reasons.append(f"h_kv {p.k_cache.shape[2]}: it takes one kv head")
+    if d not in (512, 576) or p.d_v != 512:
+        reasons.append(f"d_qk {d}, d_v {p.d_v}: it takes d_qk 512 or 576 and d_v 512")
+    if p.k_cache.data_ptr() % 16 or not (_rows_aligned(p.q) and _rows_aligned(p.k_cache)):
+        reasons.append("q's or the cache's rows are not 16-byte aligned (it copies them 16 bytes at a time)")
+    return reasons
+
+
+def _rows_aligned(t: torch.Tensor) -> bool:
+    return t.stride(-1) == 1 and not any(s * t.element_size() % 16 for s in t.stride()[:-1])
+
+
+def programs(device: torch.device) -> TileConfig:
+    """The prefill and dense decoding kernels' programs as the split choice counts them: 64 rows, the keys a
+    block of their tile on ``device`` (at d_qk 576), 8 warps, one program a multiprocessor."""
+    block_n, _ = choose_tile(576, runtime.max_shared_memory(device))
+    return TileConfig(HEADS, block_n, 8, 1)
+
+
 def decode_programs(device: torch.device) -> TileConfig:
     """The decoding kernel's programs as the split choice counts them: 64 heads, its keys a block on ``device``,
     8 warps, one program a multiprocessor (~250 registers x 256 threads)."""
     from .decode_launch import choose_decode_tile
     block_n = choose_decode_tile(runtime.max_shared_memory(device), runtime.native_fp8(device))
     return TileConfig(HEADS, block_n, 8, 1)
+
+
+def decide(hopper: bool, device: torch.device, call_reasons) -> tuple[bool, list[str], list[str]]:
+    """``(whether an mma_v2 kernel runs, the device's reasons against it, the call's)`` for a plan whose Hopper
+    kernel runs (``hopper``: then none) or not; ``call_reasons()`` is asked only on a device of theirs."""
+    if hopper:
+        return False, [], []
+    here = device_reasons(device)
+    call = [] if here else call_reasons()
+    return use(here, call), here, call
 
 
 def use(device: list[str], call: list[str]) -> bool:
@@ -96,9 +133,12 @@ def use(device: list[str], call: list[str]) -> bool:
     return not (device or call)
 
 
-def running(tile: str) -> str:
-    """``explain()``'s words for the kernel where it runs (``tile``: its keys a block and stages)."""
-    return f"the mma_v2 sparse kernel (triton_kernels/ampere/: {HEADS} heads a program, {tile}, 8 warps)"
+def running(tile: str, hopper_reasons: list[str], num_splits: int, op: str = "sparse") -> str:
+    """``explain()``'s kernel line where it runs (``tile``: its keys a block and stages): why not the Hopper
+    kernel, and the split count."""
+    return (f"the mma_v2 {op} kernel (triton_kernels/ampere/: {HEADS} query rows a program, {tile}, 8 warps); "
+            "not the Hopper one: " + "; ".join(hopper_reasons) +
+            (f"; {num_splits} splits along the keys" if num_splits > 1 else ""))
 
 
 def not_running(device: list[str], call: list[str]) -> str:

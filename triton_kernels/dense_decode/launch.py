@@ -12,6 +12,7 @@ import triton
 from anymla import buffers
 
 from .. import runtime
+from ..ampere import serve as mma_v2
 from ..fit import FittedKernel
 from ..hopper import launch as hopper
 from ..launcher import LatestDescriptors
@@ -93,17 +94,31 @@ class DenseDecodePlan:
         h_kv = p.k_cache.shape[2]
         rows = s_q * (h_q // h_kv)
         tile = dense_config(runtime.device_kind(p.device), rows)
-        capacity = p.block_table.shape[1] * p.k_cache.shape[1]
-        self.num_splits = choose_num_splits(b * h_kv * triton.cdiv(rows, tile.block_h),
-                                            triton.cdiv(capacity, tile.block_n), runtime.num_cores(p.device),
-                                            tile.programs_per_core, p.batch_invariant)
-        split = self.num_splits > 1
-        causal = p.causal and s_q > 1
         reasons = hopper.dense_decode_reasons(p, tile)
         self.hopper = hopper.use(reasons)
-        self.launch = hopper.DenseDecodeLaunch(p, causal, split) if self.hopper else _Portable(p, tile, causal, split)
+        self.mma_v2, mma_device, mma_call = mma_v2.decide(self.hopper, p.device, lambda: mma_v2.dense_reasons(p))
+        shape = mma_v2.programs(p.device) if self.mma_v2 else tile  # the programs to fill
+        capacity = p.block_table.shape[1] * p.k_cache.shape[1]
+        self.num_splits = choose_num_splits(b * h_kv * triton.cdiv(rows, shape.block_h),
+                                            triton.cdiv(capacity, shape.block_n), runtime.num_cores(p.device),
+                                            shape.programs_per_core, p.batch_invariant)
+        split = self.num_splits > 1
+        causal = p.causal and s_q > 1
+        if self.hopper:
+            self.launch = hopper.DenseDecodeLaunch(p, causal, split)
+        elif self.mma_v2:
+            from ..ampere.dense_launch import DenseLaunch
+            self.launch = DenseLaunch(p, causal, self.num_splits)
+        else:
+            self.launch = _Portable(p, tile, causal, split)
         self.combine = Combine(self.num_splits) if split else None
-        self.description = hopper.describe(reasons, "dense decode", tile, self.num_splits)
+        if self.mma_v2:
+            block_n, stages = self.launch.tile
+            self.description = mma_v2.running(f"{block_n} keys a block, {stages} stages", reasons, self.num_splits,
+                                              "dense decode")
+        else:
+            self.description = hopper.describe(reasons, "dense decode", tile, self.num_splits) + \
+                mma_v2.not_running(mma_device, mma_call)
 
     def __call__(self, p) -> tuple[torch.Tensor, torch.Tensor]:
         b, s_q, h_q, _ = p.q.shape

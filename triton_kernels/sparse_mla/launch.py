@@ -143,9 +143,8 @@ class SparsePrefillPlan:
         tile = sparse_config(runtime.device_kind(q.device), h_q // h_kv, False)
         reasons = hopper.sparse_prefill_reasons(q, kv, indices, tile)
         self.hopper = hopper.use(reasons)
-        mma_device = [] if self.hopper else mma_v2.device_reasons(q.device)
-        mma_call = [] if self.hopper or mma_device else mma_v2.prefill_reasons(q, kv, p.d_v)
-        self.mma_v2 = not self.hopper and mma_v2.use(mma_device, mma_call)
+        self.mma_v2, mma_device, mma_call = mma_v2.decide(self.hopper, q.device,
+                                                          lambda: mma_v2.prefill_reasons(q, kv, p.d_v))
         form = ""
         has_len, has_sink = p.topk_length is not None, p.attn_sink is not None
         if self.hopper:
@@ -159,8 +158,7 @@ class SparsePrefillPlan:
                                     False, s_q, h_q, h_kv)
         if self.mma_v2:
             block_n, stages = self.launch.tile
-            self.description = (mma_v2.running(f"{block_n} keys a block, {stages} stages") + "; not the Hopper "
-                                "one: " + "; ".join(reasons))
+            self.description = mma_v2.running(f"{block_n} keys a block, {stages} stages", reasons, 1)
         else:
             self.description = hopper.describe(reasons, "sparse", tile, 1, form) + mma_v2.not_running(mma_device,
                                                                                                       mma_call)
@@ -233,9 +231,7 @@ class SparseDecodePlan:
             self.description = hopper.describe(reasons, "sparse", tile, 1,
                                                f"the sparse prefill kernel over the cache's rows as one kv; {form}")
             return
-        mma_device = [] if self.hopper else mma_v2.device_reasons(p.device)
-        mma_call = [] if self.hopper or mma_device else mma_v2.decode_reasons(p)
-        self.mma_v2 = not self.hopper and mma_v2.use(mma_device, mma_call)
+        self.mma_v2, mma_device, mma_call = mma_v2.decide(self.hopper, p.device, lambda: mma_v2.decode_reasons(p))
         # the programs to fill
         shape, form = hopper.program_shape("sparse_decode", h_q) if self.hopper else \
             (mma_v2.decode_programs(p.device) if self.mma_v2 else tile, "")
@@ -254,8 +250,7 @@ class SparseDecodePlan:
                                     tokens, h_q, 1)
         self.combine = Combine(self.num_splits) if split else None
         if self.mma_v2:
-            self.description = (mma_v2.running(f"{shape.block_n} keys a block") + "; not the Hopper one: " +
-                                "; ".join(reasons) + (f"; {self.num_splits} splits along the keys" if split else ""))
+            self.description = mma_v2.running(f"{shape.block_n} keys a block", reasons, self.num_splits)
         else:
             self.description = hopper.describe(reasons, "sparse", tile, self.num_splits, form) + \
                 mma_v2.not_running(mma_device, mma_call)
