@@ -14,7 +14,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from ..hopper.partitions import _store_output
-from .mma import BLOCK_H, ROWS, attend_blocks, mma_layout, operand_smem, stage_rows
+from .mma import BLOCK_H, ROWS, allocate_stages, attend_blocks, mma_layout, stage_rows
 
 
 @gluon.jit
@@ -73,12 +73,7 @@ def dense_decode_mma_v2_kernel(
     rows = r0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ROWS))
     q_at = b.to(gl.int64) * sq_b + (rows // h_q) * sq_i + (rows % h_q) * sq_h
     q_smem, qr_smem = stage_rows(q_ptr, q_at, rows < q_rows, D_QK)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, 512], operand_smem(512))
-    if D_QK == 576:
-        kr_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, 64], operand_smem(64))
-    else:
-        kr_smem = k_smem
-    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], operand_smem(BLOCK_N))
+    k_smem, kr_smem, p_smem = allocate_stages(dtype, NUM_STAGES, BLOCK_N, D_QK)
 
     src = (bt_ptr + b.to(gl.int64) * s_bt, PAGE, kv_sb, kv_sr, n_keys, (r0, h_q, s_q, seqlen, CAUSAL))
     m_run, m_use, l, acc = attend_blocks(q_smem, qr_smem, k_smem, kr_smem, p_smem, j0, j1, kv_ptr, src,

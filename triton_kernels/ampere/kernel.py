@@ -11,7 +11,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from ..hopper.partitions import _store_output, block_indices
-from .mma import BLOCK_H, attend_blocks, key_mask, operand_smem, program_token, stage_queries
+from .mma import allocate_stages, attend_blocks, key_mask, program_token, stage_queries
 
 
 @gluon.jit
@@ -43,12 +43,7 @@ def sparse_prefill_mma_v2_kernel(
 
     # (q first: the kernel's shared memory in the order the launch's shared_bytes counts it)
     q_smem, qr_smem = stage_queries(q_ptr, t, sq_t, sq_h, r0, h_q, D_QK)  # its group: the last wait covers it
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, 512], operand_smem(512))
-    if D_QK == 576:
-        kr_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, 64], operand_smem(64))
-    else:
-        kr_smem = k_smem
-    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], operand_smem(BLOCK_N))
+    k_smem, kr_smem, p_smem = allocate_stages(dtype, NUM_STAGES, BLOCK_N, D_QK)
     src = (idx_row_ptr, length, s_kv, skv_r)
     m_run, m_use, l, acc = attend_blocks(q_smem, qr_smem, k_smem, kr_smem, p_smem, 0, n_blocks, kv_ptr, src,
                                          scale_log2, _index_rows, _index_mask, D_QK, K_STEP)

@@ -169,6 +169,20 @@ def attend_block(q_smem, qr_smem, k_tile, r_tile, p_smem, valid, scale_log2, m_r
 
 
 @gluon.jit
+def allocate_stages(dtype: gl.constexpr, NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, D_QK: gl.constexpr):
+    """``(k_smem [NUM_STAGES, BLOCK_N, 512], kr_smem [NUM_STAGES, BLOCK_N, 64], p_smem [64, BLOCK_N])``: the key
+    stages (latent, and the rope tails at d_qk 576; at 512 ``kr_smem`` is ``k_smem``) and P's buffer, allocated
+    after the queries (the order the launches' ``shared_bytes`` counts)."""
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, 512], operand_smem(512))
+    if D_QK == 576:
+        kr_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, 64], operand_smem(64))
+    else:
+        kr_smem = k_smem
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], operand_smem(BLOCK_N))
+    return k_smem, kr_smem, p_smem
+
+
+@gluon.jit
 def _copy_block(k_smem, kr_smem, stage, j, kv_ptr, src, ROWS_OF: gl.constexpr, D_QK: gl.constexpr):
     """Start the copies of key block ``j``'s rows into ``stage`` (their commit group is the caller's):
     ``ROWS_OF(src, j, BLOCK_N, layout)`` gives the rows' element offsets and which to read."""
