@@ -7,9 +7,9 @@ For each case of a suite of ``python -m anymla.bench`` (default: canonical; same
 same-run ceilings) it checks every configuration in :data:`SWEEP` against the PyTorch reference (FlashMLA's
 tolerances) and only then times it. Without ``--sweep`` it times the shipped configuration. ``--portable`` sweeps
 the portable kernels' tiles instead (:data:`PORTABLE_SWEEP`, the Hopper kernels off), the stand-in for the GPUs
-without them; with ``DISABLE_MMA_V3=1`` in the environment Triton lowers their ``tl.dot`` to mma.sync, and the
-Gluon mma_v2 kernels (``ampere/``) take the calls they serve, as on those GPUs. ``--mma-v2`` times each
-configuration also with the mma_v2 kernels off (the Triton kernel), checked and timed the same way. Under a stand-in the compute ceiling is the same-setting Triton matmul, as in the bench. The user-facing
+without them; with ``DISABLE_MMA_V3=1`` in the environment Triton lowers their ``tl.dot`` to mma.sync, the
+Ampere-class path. ``--mma-v2`` times each configuration twice there, with the Gluon mma_v2 kernels (``ampere/``)
+forced on and off, checked and timed the same way (where they cannot serve a case, the row says why). Under a stand-in the compute ceiling is the same-setting Triton matmul, as in the bench. The user-facing
 comparison across backends is ``python -m anymla.bench``; this harness tunes the kernels themselves (see each
 NOTES.md).
 """
@@ -154,7 +154,7 @@ def run(suite: str, case_names, sweep: bool, reps: int, csv_path, portable: bool
         cost = model.cost(case.op, args)
         configs = (PORTABLE_SWEEP if portable else SWEEP).get(case.name, []) if sweep else [Config()]
         if mma_v2:
-            configs = [c for config in configs for c in (config, config._replace(mma_v2=False))]
+            configs = [c for config in configs for c in (config._replace(mma_v2=True), config._replace(mma_v2=False))]
         for config in configs:
             if portable:
                 config = config._replace(warp_specialized=False)
@@ -216,7 +216,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="try every configuration in SWEEP")
     ap.add_argument("--portable", action="store_true", help="the portable kernels only (PORTABLE_SWEEP with --sweep)")
     ap.add_argument("--mma-v2", action="store_true",
-                    help="each configuration also with the Gluon mma_v2 kernels (ampere/) off")
+                    help="each configuration with the Gluon mma_v2 kernels (ampere/) forced on and off")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--csv")
     a = ap.parse_args()
