@@ -91,8 +91,8 @@ def digest_of(roots: dict[str, str]) -> str:
 # --mma-sync), and what each changes.
 STAND_INS = {"portable": "the Hopper kernels switched off (tuning.forced(warp_specialized=False), or "
                          "ANYMLA_HOPPER_KERNELS=0 for the whole process)",
-             "mma.sync": "DISABLE_MMA_V3=1: Triton lowers tl.dot to mma.sync (Ampere-class) instead of wgmma; with "
-                         "ANYMLA_MMA_V2=1 the mma_v2 kernels (triton_kernels/ampere/) take the calls they serve"}
+             "mma.sync": "DISABLE_MMA_V3=1: Triton lowers tl.dot to mma.sync (Ampere-class) instead of wgmma, and "
+                         "the mma_v2 kernels (triton_kernels/ampere/) take the calls they serve, as on those GPUs"}
 
 
 def stand_in(portable: bool) -> str:

@@ -124,15 +124,12 @@ def test_mma_v2_kernels_take_calls_only_on_mma_sync_gpus(monkeypatch):
     assert serve.use([], []) and not serve.use(["x"], [])
     with tuning.forced(mma_v2=True), pytest.raises(ValueError, match="mma_v2 kernel was forced, but: x; y"):
         serve.use(["x"], ["y"])
-    # Not on by default until measured faster: asked for, they take the calls they serve.
+    # A plan's decision: the call is asked about only on a device of theirs, and only where no Hopper kernel runs.
     monkeypatch.setattr(runtime, "rocm", lambda: False)
-    assert serve.decide(False, gpu, lambda: []) == (False, [], [serve.NOT_ASKED])
+    assert serve.decide(False, gpu, lambda: []) == (True, [], [])
     assert serve.decide(False, gpu, lambda: ["too few heads"]) == (False, [], ["too few heads"])
     assert serve.decide(True, gpu, lambda: []) == (False, [], [])
-    with tuning.forced(mma_v2=True):
-        assert serve.decide(False, gpu, lambda: []) == (True, [], [])
-    monkeypatch.setattr(serve, "_ON_BY_ENV", True)
-    assert serve.decide(False, gpu, lambda: []) == (True, [], [])
+    assert serve.decide(False, torch.device("cpu"), lambda: 1 / 0) == (False, ["they run on NVIDIA GPUs only"], [])
 
 
 def test_mma_v2_kernels_state_why_they_do_not_take_a_call():

@@ -7,9 +7,10 @@ For each case of a suite of ``python -m anymla.bench`` (default: canonical; same
 same-run ceilings) it checks every configuration in :data:`SWEEP` against the PyTorch reference (FlashMLA's
 tolerances) and only then times it. Without ``--sweep`` it times the shipped configuration. ``--portable`` sweeps
 the portable kernels' tiles instead (:data:`PORTABLE_SWEEP`, the Hopper kernels off), the stand-in for the GPUs
-without them; with ``DISABLE_MMA_V3=1`` in the environment Triton lowers their ``tl.dot`` to mma.sync, the
-Ampere-class path. ``--mma-v2`` times each configuration twice there, with the Gluon mma_v2 kernels (``ampere/``)
-forced on and off, checked and timed the same way (where they cannot serve a case, the row says why). Under a stand-in the compute ceiling is the same-setting Triton matmul, as in the bench. The user-facing
+without them; with ``DISABLE_MMA_V3=1`` in the environment Triton lowers their ``tl.dot`` to mma.sync and the
+Gluon mma_v2 kernels (``ampere/``) take the calls they serve, as on the Ampere-class GPUs. ``--mma-v2`` times each
+configuration twice there, with the mma_v2 kernels forced on and off, checked and timed the same way (where they
+cannot serve a case, the row says why). Under a stand-in the compute ceiling is the same-setting Triton matmul, as in the bench. The user-facing
 comparison across backends is ``python -m anymla.bench``; this harness tunes the kernels themselves (see each
 NOTES.md).
 """

@@ -79,7 +79,7 @@ def forced_warp_specialized() -> Optional[bool]:
 
 
 # ANYMLA_MMA_V2=0 likewise switches the mma_v2 kernels off for the whole process (the portable kernel then serves
-# the GPUs they would; =1 asks for them: ampere/serve.py); a scoped tuning.forced(mma_v2=...) still wins.
+# the GPUs they would); a scoped tuning.forced(mma_v2=...) still wins.
 _MMA_V2_OFF_BY_ENV = os.environ.get("ANYMLA_MMA_V2") == "0"
 
 
