@@ -133,11 +133,12 @@ def test_mma_v2_kernels_take_calls_only_on_mma_sync_gpus(monkeypatch):
 
 
 def test_mma_v2_kernels_state_why_they_do_not_take_a_call():
-    """Prefill: one kv head, d_qk 512/576 with d_v 512, 16-bit q and kv alike, 33 heads or more (unless forced);
-    decoding: a V3.2 FP8 cache alone and bf16 q. What explain() then says."""
+    """Prefill: one kv head, d_qk 512/576 with d_v 512, 16-bit q and kv alike, rows 16-byte aligned, 33 heads or
+    more (unless forced); sparse decoding: a V3.2 FP8 cache alone and bf16 q; dense decoding: one kv head and 33
+    query rows a request or more. What explain() then says."""
     from anymla.kvcache import KVCacheFormat as F
-    from anymla.problems import decode_problem
-    from anymla.testing import prefill_inputs, sparse_decode_inputs
+    from anymla.problems import DenseDecode, decode_problem
+    from anymla.testing import dense_decode_inputs, prefill_inputs, sparse_decode_inputs
     from anymla.triton_kernels import tuning
     from anymla.triton_kernels.ampere import serve
 
@@ -166,6 +167,16 @@ def test_mma_v2_kernels_state_why_they_do_not_take_a_call():
                                                           "rows a program, 64 keys a block, 8 warps); not the "
                                                           "Hopper one: r; 3 splits along the keys")
     assert serve.not_running([], ["y"]) == "; not the mma_v2 one: y" and serve.not_running(["x"], ["y"]) == ""
+    a = prefill_inputs(2, 64, 576, 64, 32)
+    wide = torch.zeros(2, 64, 580, dtype=a["q"].dtype)[..., :576]  # rows 1160 bytes apart
+    assert any("rows are not 16-byte aligned" in r for r in serve.prefill_reasons(wide, a["kv"], 512))
+
+    def dense(s_q, h_q, h_kv=1):
+        a = dense_decode_inputs(2, s_q, h_q, h_kv, 64)
+        return serve.dense_reasons(DenseDecode(a["q"], a["k_cache"], a["block_table"], a["cache_seqlens"], 0.1))
+
+    assert dense(1, 64) == [] and dense(2, 32) == []  # 64 query rows a request either way
+    assert "32 query rows a request" in dense(1, 32)[0] and any("h_kv 2" in r for r in dense(1, 64, 2))
 
 
 def test_hopper_kernels_are_chosen_only_where_they_were_checked(monkeypatch):

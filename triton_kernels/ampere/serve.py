@@ -24,7 +24,7 @@ from .launch import HEADS, choose_tile
 # Query rows (heads a token; in dense decoding s_q x h_q a request) from which they take a call: their programs
 # are 64 rows, so fewer waste rows; below this the portable kernel's 16- and 32-row tiles serve (the mma_v2
 # kernels are measured at 64 and 128 heads only).
-FEWEST_HEADS = 33
+FEWEST_ROWS = 33
 
 
 def device_reasons(device: torch.device) -> list[str]:
@@ -48,8 +48,8 @@ def device_reasons(device: torch.device) -> list[str]:
 
 
 def _heads_reasons(rows: int, what: str = "heads a token") -> list[str]:
-    if rows < FEWEST_HEADS and not forced_mma_v2():
-        return [f"{rows} {what}: fewer than {FEWEST_HEADS}, where the portable kernel's smaller tiles waste fewer "
+    if rows < FEWEST_ROWS and not forced_mma_v2():
+        return [f"{rows} {what}: fewer than {FEWEST_ROWS}, where the portable kernel's smaller tiles waste fewer "
                 f"rows than their 64-row programs"]
     return []
 
@@ -64,8 +64,8 @@ def prefill_reasons(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> list[str]:
         reasons.append(f"d_qk {q.shape[-1]}, d_v {d_v}: it takes d_qk 512 or 576 and d_v 512")
     if q.dtype != kv.dtype or q.dtype not in (torch.bfloat16, torch.float16):
         reasons.append(f"q {q.dtype} and kv {kv.dtype}: it takes bf16 or fp16, the same for both")
-    if kv.data_ptr() % 16 or not _rows_aligned(kv):
-        reasons.append("kv's rows are not 16-byte aligned (it copies them 16 bytes at a time)")
+    if kv.data_ptr() % 16 or not (_rows_aligned(q) and _rows_aligned(kv)):
+        reasons.append("q's or kv's rows are not 16-byte aligned (it copies them 16 bytes at a time)")
     return reasons
 
 
@@ -80,13 +80,15 @@ def decode_reasons(p) -> list[str]:
         reasons.append("the cache's rows are not back to back in 16-byte aligned blocks")
     if p.q.dtype != torch.bfloat16:
         reasons.append(f"q {p.q.dtype}: it takes bf16")
+    if not _rows_aligned(p.q):
+        reasons.append("q's rows are not 16-byte aligned (it copies them 16 bytes at a time)")
     return reasons
 
 
 def dense_reasons(p) -> list[str]:
     """Why the mma_v2 dense decoding kernel does not serve the call ``p`` (a validated DenseDecode) on a device
     of theirs (empty: it does): one kv head, d_qk 512 or 576, d_v 512, rows 16-byte aligned, and at least
-    FEWEST_HEADS query rows a request (``s_q x h_q``: its programs are 64 of them)."""
+    FEWEST_ROWS query rows a request (``s_q x h_q``: its programs are 64 of them)."""
     b, s_q, h_q, d = p.q.shape
     reasons = _heads_reasons(s_q * h_q, "query rows a request")
     if p.k_cache.shape[2] != 1:
