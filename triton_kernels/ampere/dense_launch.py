@@ -17,7 +17,7 @@ from anymla import buffers
 from .. import runtime
 from ..launcher import Launcher
 from ..splits import Combine, choose_num_splits, workspaces
-from .launch import HEADS, K_STEP, choose_tile
+from .launch import HEADS, K_STEP, check_rows, choose_tile
 
 
 class DenseLaunch:
@@ -57,9 +57,7 @@ def dense_decode(p, num_splits: Optional[int] = None,
     if p.k_cache.shape[2] != 1 or d not in (512, 576) or p.d_v != 512:
         raise ValueError(f"q {tuple(p.q.shape)}, k_cache {tuple(p.k_cache.shape)}, d_v {p.d_v}: one kv head, "
                          "d_qk 512 or 576, d_v 512")
-    for name, t in (("q", p.q), ("k_cache", p.k_cache)):
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]):
-            raise ValueError(f"{name}: rows must be contiguous along the last dim and 16-byte aligned")
+    check_rows(q=p.q, k_cache=p.k_cache)
     out = buffers.empty(b, s_q, h_q, 512, dtype=p.q.dtype, device=p.device)
     lse = buffers.empty(b, h_q, s_q, dtype=torch.float32, device=p.device)
     if not (b and s_q and h_q):

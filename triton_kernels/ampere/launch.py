@@ -39,10 +39,15 @@ def choose_tile(d_qk: int, smem_limit: int) -> tuple[int, int]:
     raise ValueError(f"no tile of the mma_v2 prefill kernel fits {smem_limit} bytes of shared memory (d_qk {d_qk})")
 
 
+def rows_aligned(t: torch.Tensor) -> bool:
+    """Whether ``t``'s rows lie 16 bytes apart at a multiple of 16, contiguous along d (its address aside)."""
+    return t.stride(-1) == 1 and not any(s * t.element_size() % 16 for s in t.stride()[:-1])
+
+
 def check_rows(**tensors: torch.Tensor) -> None:
     """The kernels copy 16 bytes at a time: rows (and the tensors) 16-byte aligned, contiguous along d."""
     for name, t in tensors.items():
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+        if t.data_ptr() % 16 or not rows_aligned(t):
             raise ValueError(f"{name}: rows must be contiguous along the last dim and 16-byte aligned")
 
 

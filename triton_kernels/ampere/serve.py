@@ -19,7 +19,7 @@ from anymla.kvcache import KVCacheFormat
 
 from .. import runtime
 from ..tuning import TileConfig, forced_mma_v2, forced_tile
-from .launch import HEADS, choose_tile
+from .launch import HEADS, choose_tile, rows_aligned
 
 # Query rows (heads a token; in dense decoding s_q x h_q a request) from which they take a call: their programs
 # are 64 rows, so fewer waste rows; below this the portable kernel's 16- and 32-row tiles serve (the mma_v2
@@ -64,7 +64,7 @@ def prefill_reasons(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> list[str]:
         reasons.append(f"d_qk {q.shape[-1]}, d_v {d_v}: it takes d_qk 512 or 576 and d_v 512")
     if q.dtype != kv.dtype or q.dtype not in (torch.bfloat16, torch.float16):
         reasons.append(f"q {q.dtype} and kv {kv.dtype}: it takes bf16 or fp16, the same for both")
-    if kv.data_ptr() % 16 or not (_rows_aligned(q) and _rows_aligned(kv)):
+    if kv.data_ptr() % 16 or not (rows_aligned(q) and rows_aligned(kv)):
         reasons.append("q's or kv's rows are not 16-byte aligned (it copies them 16 bytes at a time)")
     return reasons
 
@@ -80,7 +80,7 @@ def decode_reasons(p) -> list[str]:
         reasons.append("the cache's rows are not back to back in 16-byte aligned blocks")
     if p.q.dtype != torch.bfloat16:
         reasons.append(f"q {p.q.dtype}: it takes bf16")
-    if not _rows_aligned(p.q):
+    if not rows_aligned(p.q):
         reasons.append("q's rows are not 16-byte aligned (it copies them 16 bytes at a time)")
     return reasons
 
@@ -95,13 +95,9 @@ def dense_reasons(p) -> list[str]:
         reasons.append(f"h_kv {p.k_cache.shape[2]}: it takes one kv head")
     if d not in (512, 576) or p.d_v != 512:
         reasons.append(f"d_qk {d}, d_v {p.d_v}: it takes d_qk 512 or 576 and d_v 512")
-    if p.k_cache.data_ptr() % 16 or not (_rows_aligned(p.q) and _rows_aligned(p.k_cache)):
+    if p.k_cache.data_ptr() % 16 or not (rows_aligned(p.q) and rows_aligned(p.k_cache)):
         reasons.append("q's or the cache's rows are not 16-byte aligned (it copies them 16 bytes at a time)")
     return reasons
-
-
-def _rows_aligned(t: torch.Tensor) -> bool:
-    return t.stride(-1) == 1 and not any(s * t.element_size() % 16 for s in t.stride()[:-1])
 
 
 def programs(device: torch.device) -> TileConfig:
