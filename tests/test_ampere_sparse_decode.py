@@ -19,7 +19,7 @@ import triton.language as tl
 import anymla
 from anymla.kvcache import KVCacheFormat
 from anymla.testing import compare_outputs, sparse_decode_inputs
-from anymla.triton_kernels.ampere.decode_launch import TILES, choose_decode_tile, decode_shared_bytes
+from anymla.triton_kernels.ampere.decode_launch import ONE_TILE, TILES, choose_decode_tile, decode_shared_bytes
 from anymla.triton_kernels.common import e4m3x2_to_f16x2, e4m3x4_has_nan
 
 ON_NVIDIA = torch.cuda.is_available() and torch.version.hip is None
@@ -89,12 +89,13 @@ def test_ampere_sparse_decode_agrees(case):
 @needs_gpu
 @pytest.mark.parametrize("splits", (1, 3))
 @pytest.mark.parametrize("native", (False, True), ids=("bits", "fp8"))
-@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"bn{t}")
+@pytest.mark.parametrize("tile", TILES + ONE_TILE, ids=lambda t: f"bn{t[0]}x{t[1]}")
 def test_ampere_sparse_decode_every_tile(tile, native, splits):
-    """Every tile of ``TILES`` that fits this GPU, whatever it would pick (the sm_80 and 99 KB tiles on a Hopper
-    stand-in), both conversions, unsplit and split: a tail block, lengths, sinks, skipped slots."""
+    """Every tile of ``TILES`` and ``ONE_TILE`` that fits this GPU, whatever it would pick (the sm_80 and 99 KB
+    tiles on a Hopper stand-in), both conversions, unsplit and split: a tail block, lengths (odd and even block
+    counts a split: the loop goes two blocks an iteration), sinks, skipped slots."""
     if decode_shared_bytes(tile) > torch.cuda.get_device_properties(0).shared_memory_per_block_optin:
-        pytest.skip(f"BLOCK_N {tile} needs {decode_shared_bytes(tile)} bytes of shared memory, more than this GPU has")
+        pytest.skip(f"tile {tile} needs {decode_shared_bytes(tile)} bytes of shared memory, more than this GPU has")
     if native not in _native_choices():
         pytest.skip("this GPU has no fp8 conversion instructions")
     args = _args(dict(h_q=128, s_q=2, b=3, s_k=1024, topk=600, page=61, topk_length=True, sink=True), seed=11)
@@ -146,10 +147,13 @@ def test_ampere_e4m3_bit_arithmetic_is_exact():
 
 
 def test_ampere_decode_tile_fits_each_gpu_generation():
-    """64 keys on the 227 KB GPUs (fp8 conversions), 32 on sm_80 (bit arithmetic), 16 on the 99 KB GPUs."""
-    assert choose_decode_tile(232448, True) == 64
-    assert choose_decode_tile(166912, False) == 32 and choose_decode_tile(166912, True) == 64
-    assert choose_decode_tile(101376, False) == 16 and choose_decode_tile(101376, True) == 16
+    """64 keys and two latent tiles on the 227 KB GPUs (fp8 conversions), 32 and two on sm_80's 163 KB, 16 and
+    one on the 99 KB GPUs; the launch's shared memory counts, one latent tile included."""
+    assert choose_decode_tile(232448, True) == (64, 2) and decode_shared_bytes((64, 2)) == 230400
+    assert choose_decode_tile(166912, False) == (32, 2) and choose_decode_tile(166912, True) == (32, 2)
+    assert decode_shared_bytes((32, 2)) == 152576 and decode_shared_bytes((64, 1)) == 164864
+    assert choose_decode_tile(101376, False) == (16, 1) and choose_decode_tile(101376, True) == (16, 1)
+    assert decode_shared_bytes((16, 1)) == 96768
     with pytest.raises(ValueError):
         choose_decode_tile(65536, True)
 

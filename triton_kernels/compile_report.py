@@ -335,10 +335,11 @@ def ampere_reports(arch: Arch, sass: bool = False) -> list:
         consts = dict(D_QK=d, HAS_LEN=True, HAS_SINK=True, BLOCK_N=block_n, NUM_STAGES=stages, K_STEP=K_STEP)
         r = report(sparse_prefill_mma_v2_kernel, ptrs, consts, 8, arch, GluonASTSource, sass=sass)
         jobs.append((f"mma_v2 prefill d{d} BN {block_n} x{stages}", r, shared_bytes(d, block_n, stages)))
-    block_n = choose_decode_tile(arch.smem, arch.native_fp8)
-    consts = dict(HAS_LEN=True, HAS_SINK=True, SPLIT=True, NATIVE_FP8=arch.native_fp8, BLOCK_N=block_n, K_STEP=K_STEP)
+    tile = choose_decode_tile(arch.smem, arch.native_fp8)
+    consts = dict(HAS_LEN=True, HAS_SINK=True, SPLIT=True, NATIVE_FP8=arch.native_fp8, BLOCK_N=tile[0],
+                  LATENT_TILES=tile[1], K_STEP=K_STEP)
     r = report(sparse_decode_mma_v2_kernel, {**ptrs, "kv_ptr": "*u8"}, consts, 8, arch, GluonASTSource, sass=sass)
-    jobs.append((f"mma_v2 decode v32 BN {block_n}", r, decode_shared_bytes(block_n)))
+    jobs.append((f"mma_v2 decode v32 BN {tile[0]} x{tile[1]}", r, decode_shared_bytes(tile)))
     block_n, stages = choose_tile(576, arch.smem)
     consts = dict(PAGE=64, D_QK=576, CAUSAL=True, HAS_SINK=True, SPLIT=True, BLOCK_N=block_n, NUM_STAGES=stages, K_STEP=K_STEP)
     r = report(dense_decode_mma_v2_kernel, {**ptrs, "bt_ptr": "*i32", "lens_ptr": "*i32"}, consts, 8, arch,

@@ -3,11 +3,16 @@
 
 Program ``(token * head_blocks + head_block, split)``: 64 query heads of one decoding token, 8 warps, over one
 split's blocks of BLOCK_N of the token's slots. A V3.2 row (656 bytes, ``anymla.kvcache``) is 512 e4m3 codes,
-4 fp32 scales (one a 128 columns) at byte 512 and 64 bf16 rope values at byte 528. Each block's codes and
-scales are loaded into registers (16-byte loads) one block ahead, so they travel while the block before is
-multiplied; its rope values are copied by ``cp.async`` into one of two rope stages, also a block ahead. At its
-turn a block is dequantized in registers (code x scale in fp32, rounded once to bf16, as the reference does)
-into the one latent stage, and attended with ``mma.attend_block`` (the prefill kernel's layouts and softmax).
+4 fp32 scales (one a 128 columns) at byte 512 and 64 bf16 rope values at byte 528. A block's codes and scales
+are loaded into registers (16-byte loads) a block before they are dequantized (code x scale in fp32, rounded
+once to bf16, as the reference does) into a latent tile; its rope values are copied by ``cp.async`` into one of
+two rope tiles, also a block ahead; the block is attended with ``mma.attend_block`` (the prefill kernel's
+layouts and softmax). With two latent tiles (LATENT_TILES 2) block j + 1 is dequantized into one right after
+block j's P·V from the other, with no barrier between them: a warp done with its products converts while others
+still multiply, and the barrier that waited for the dequantized tile goes. With one (a choice for measurements,
+and the 99 KB GPUs' 16-key tile, where a second does not fit) a block is dequantized before it is attended. Even
+blocks take the "a" tiles, odd ones the "b" tiles: separate allocations, so the compiler's barrier pass sees that
+one is written while the other is read, and the loop goes two blocks an iteration.
 Slots -1, outside the cache or past ``topk_length`` read nothing (zeros, masked keys).
 """
 
@@ -64,14 +69,16 @@ def _load_codes(kv_ptr, slots, kv_sb, kv_sr, page, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _copy_rope(r_stage, kv_ptr, slots, kv_sb, kv_sr, page):
-    """``cp.async`` a block's rope values into ``r_stage`` [BLOCK_N, 64] (slot -1: zeros, nothing read)."""
-    layout: gl.constexpr = rope_layout(r_stage.shape[0])
+def _copy_rope(r_tile, kv_ptr, slots, kv_sb, kv_sr, page):
+    """``cp.async`` a block's rope values into ``r_tile`` [BLOCK_N, 64] (slot -1: zeros, nothing read), committed
+    as a group of their own."""
+    layout: gl.constexpr = rope_layout(r_tile.shape[0])
     slots = gl.convert_layout(slots, gl.SliceLayout(1, layout))
     at = gl.expand_dims(_row_bytes(slots, kv_sb, kv_sr, page) + ROPE_AT, 1)
     cols = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, layout)), 0)
-    async_copy.async_copy_global_to_shared(r_stage, (kv_ptr + at).to(gl.pointer_type(gl.bfloat16)) + cols,
+    async_copy.async_copy_global_to_shared(r_tile, (kv_ptr + at).to(gl.pointer_type(gl.bfloat16)) + cols,
                                            mask=gl.expand_dims(slots >= 0, 1) & (cols >= 0))
+    async_copy.commit_group()
 
 
 @gluon.jit
@@ -109,12 +116,46 @@ def _store_dequantized(k_tile, codes, scales, NATIVE_FP8: gl.constexpr):
     k_tile.store(v.to(k_tile.dtype))
 
 
+@gluon.jit
+def _decode_step(j, q_smem, qr_smem, k_now, k_next, r_now, r_next, p_smem, kv_ptr, kv_sb, kv_sr, page,
+                 idx_row_ptr, n_rows, end, scale_log2, codes, scales, slots_a, slots_b, state,
+                 NATIVE_FP8: gl.constexpr, BLOCK_N: gl.constexpr, LATENT_TILES: gl.constexpr, K_STEP: gl.constexpr):
+    """Key block ``j``: its rope values in ``r_now`` (copies in flight), its latent values in ``k_now``: already
+    written with two latent tiles (``k_next`` is the other), still in ``codes`` with one (``k_next`` is
+    ``k_now``). ``slots_a`` / ``slots_b``: blocks j + 1 and j + 2. With two tiles ``codes`` hold block j + 1,
+    dequantized into ``k_next`` after block j's P·V. Returns the carried ``(codes, scales, slots_a, slots_b,
+    state)`` for block j + 1."""
+    m_run, m_use, l, acc = state
+    valid = key_mask(idx_row_ptr, j, end, n_rows, BLOCK_N)
+    async_copy.wait_group(0)  # block j's rope values (and at the first block the queries)
+    # ... have landed for every warp, k_now is written, and every warp is done with block j - 1 (k_next, r_next
+    # and P's buffer).
+    barrier()
+    _copy_rope(r_next, kv_ptr, slots_a, kv_sb, kv_sr, page)
+    if LATENT_TILES == 1:
+        _store_dequantized(k_now, codes, scales, NATIVE_FP8)
+        # Block j + 1's codes into the registers just freed: they travel while block j is multiplied.
+        codes, scales = _load_codes(kv_ptr, slots_a, kv_sb, kv_sr, page, BLOCK_N)
+        barrier()  # the latent tile is written
+    m_run, m_use, l, acc = attend_block(q_smem, qr_smem, k_now, r_now, p_smem, valid, scale_log2, m_run, m_use, l,
+                                        acc, 576, K_STEP)
+    if LATENT_TILES == 2:
+        # One store of the whole block: Triton 3.6's barrier pass takes stores to slices of one tile for
+        # overlapping writes and puts a barrier between them (NOTES.md, run 126).
+        _store_dequantized(k_next, codes, scales, NATIVE_FP8)
+        # Block j + 2's codes: they travel while block j + 1 is multiplied.
+        codes, scales = _load_codes(kv_ptr, slots_b, kv_sb, kv_sr, page, BLOCK_N)
+    # The slots of block j + 3, asked for a block before their loads need them.
+    slots_c = block_indices(idx_row_ptr, j + 3, end, n_rows, BLOCK_N, slots_layout(BLOCK_N))
+    return codes, scales, slots_b, slots_c, (m_run, m_use, l, acc)
+
+
 @gluon.jit(do_not_specialize=["num_splits"])
 def sparse_decode_mma_v2_kernel(
         q_ptr, sq_t, sq_h, kv_ptr, kv_sb, kv_sr, page, n_rows, idx_ptr, si_t, topk, len_ptr, len_div, sink_ptr,
         out_ptr, so_t, so_h, lse_ptr, sl_t, po_ptr, plse_ptr, h_q, hb_per_token, num_splits, scale_log2,
         HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, NATIVE_FP8: gl.constexpr,
-        BLOCK_N: gl.constexpr, K_STEP: gl.constexpr):
+        BLOCK_N: gl.constexpr, LATENT_TILES: gl.constexpr, K_STEP: gl.constexpr):
     """q [tokens, h_q, 576]; the cache's bytes ``kv_ptr`` (block stride ``kv_sb``, row stride ``kv_sr``, ``page``
     rows a block, ``n_rows`` slots); indices [tokens, topk]; ``topk_length[t // len_div]``. Writes out [tokens,
     h_q, 512] and lse [tokens, h_q] (natural log), or with SPLIT the partials ``splits.Workspaces`` holds."""
@@ -129,34 +170,36 @@ def sparse_decode_mma_v2_kernel(
 
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     q_smem, qr_smem = stage_queries(q_ptr, t, sq_t, sq_h, r0, h_q, 576)
-    k_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, 512], operand_smem(512))
-    kr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, 64], operand_smem(64))
+    # Even blocks in the "a" tiles, odd ones in the "b" tiles (separate allocations, so the compiler's barrier
+    # pass sees that one is written while the other is read).
+    k_a = gl.allocate_shared_memory(dtype, [BLOCK_N, 512], operand_smem(512))
+    k_b = k_a
+    if LATENT_TILES == 2:
+        k_b = gl.allocate_shared_memory(dtype, [BLOCK_N, 512], operand_smem(512))
+    r_a = gl.allocate_shared_memory(dtype, [BLOCK_N, 64], operand_smem(64))
+    r_b = gl.allocate_shared_memory(dtype, [BLOCK_N, 64], operand_smem(64))
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], operand_smem(BLOCK_N))
 
     slots_l: gl.constexpr = slots_layout(BLOCK_N)
     slots = block_indices(idx_row_ptr, j0, end, n_rows, BLOCK_N, slots_l)
     codes, scales = _load_codes(kv_ptr, slots, kv_sb, kv_sr, page, BLOCK_N)
-    _copy_rope(kr_smem.index(0), kv_ptr, slots, kv_sb, kv_sr, page)
-    async_copy.commit_group()
-    next_slots = block_indices(idx_row_ptr, j0 + 1, end, n_rows, BLOCK_N, slots_l)
-    m_run, m_use, l, acc = initial_state()
-    for j in range(j0, j1):
-        i = j - j0
-        valid = key_mask(idx_row_ptr, j, end, n_rows, BLOCK_N)
-        # Every warp is done with block j - 1: the latent tile, P's buffer and the rope stage block j + 1 takes.
-        barrier()
-        _copy_rope(kr_smem.index((i + 1) % 2), kv_ptr, next_slots, kv_sb, kv_sr, page)
-        async_copy.commit_group()
-        _store_dequantized(k_tile, codes, scales, NATIVE_FP8)
-        # Block j + 1's codes into the registers just freed: they travel while block j is multiplied. The
-        # slots of block j + 2 are asked for now, a block before their loads need them.
-        codes, scales = _load_codes(kv_ptr, next_slots, kv_sb, kv_sr, page, BLOCK_N)
-        next_slots = block_indices(idx_row_ptr, j + 2, end, n_rows, BLOCK_N, slots_l)
-        async_copy.wait_group(1)  # block j's rope values (and the queries) have landed
-        barrier()  # ... for every warp, and the latent tile is written
-        m_run, m_use, l, acc = attend_block(q_smem, qr_smem, k_tile, kr_smem.index(i % 2), p_smem, valid,
-                                            scale_log2, m_run, m_use, l, acc, 576, K_STEP)
+    _copy_rope(r_a, kv_ptr, slots, kv_sb, kv_sr, page)
+    slots_a = block_indices(idx_row_ptr, j0 + 1, end, n_rows, BLOCK_N, slots_l)
+    slots_b = block_indices(idx_row_ptr, j0 + 2, end, n_rows, BLOCK_N, slots_l)
+    if LATENT_TILES == 2:
+        _store_dequantized(k_a, codes, scales, NATIVE_FP8)
+        codes, scales = _load_codes(kv_ptr, slots_a, kv_sb, kv_sr, page, BLOCK_N)
+    state = initial_state()
+    for j in range(j0, j1, 2):
+        codes, scales, slots_a, slots_b, state = _decode_step(
+            j, q_smem, qr_smem, k_a, k_b, r_a, r_b, p_smem, kv_ptr, kv_sb, kv_sr, page, idx_row_ptr, n_rows, end,
+            scale_log2, codes, scales, slots_a, slots_b, state, NATIVE_FP8, BLOCK_N, LATENT_TILES, K_STEP)
+        if j + 1 < j1:
+            codes, scales, slots_a, slots_b, state = _decode_step(
+                j + 1, q_smem, qr_smem, k_b, k_a, r_b, r_a, p_smem, kv_ptr, kv_sb, kv_sr, page, idx_row_ptr, n_rows,
+                end, scale_log2, codes, scales, slots_a, slots_b, state, NATIVE_FP8, BLOCK_N, LATENT_TILES, K_STEP)
     async_copy.wait_group(0)
+    m_run, m_use, l, acc = state
     # The dense epilogue's arguments with one query a program (rows = heads): partials [tokens, splits, h_q].
     out_args = (h_q, out_ptr, so_t, 0, so_h, lse_ptr, sl_t, 0, 1, po_ptr, plse_ptr, sink_ptr,
                 t, r0, 1, h_q, h_q, num_splits, split)

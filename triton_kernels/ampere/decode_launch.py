@@ -21,22 +21,28 @@ from ..splits import Combine, choose_num_splits, workspaces
 from .launch import HEADS, K_STEP, check_rows, shared_bytes
 
 ROW_BYTES = 656  # a V3.2 FP8 cache row (anymla.kvcache)
-# BLOCK_N, preferred first. 64 fits the 227 KB GPUs (sm_90, sm_100) and sm_80's 163 KB, but without fp8
-# conversions (sm_80) its codes and their bit arithmetic spill (68 B): there 32. The 99 KB GPUs take 16.
-TILES = (64, 32, 16)
+# (BLOCK_N, latent tiles), preferred first; two latent tiles where they fit (block j + 1 dequantized into one
+# after block j's P·V from the other, ``decode.py``: 3-4 % faster than one on the sm_90 stand-in, run 126). 64 keys
+# fit the 227 KB GPUs (sm_90, sm_100); sm_80's 163 KB takes 32 (without fp8 conversions 64 keys' codes and their bit
+# arithmetic spill anyway: 68 B with one tile); the 99 KB GPUs take 16 with one latent tile.
+TILES = ((64, 2), (32, 2), (16, 1))
+# Also valid (tests, timings): one latent tile, each block dequantized before it is attended.
+ONE_TILE = ((64, 1), (32, 1))
 
 
-def decode_shared_bytes(block_n: int) -> int:
-    """Shared memory the kernel allocates: the prefill kernel's with one stage at d_qk 576 (q, the latent and
-    rope tiles, P, the reduction scratch), plus the second rope stage."""
-    return shared_bytes(576, block_n, 1) + 2 * block_n * 64
+def decode_shared_bytes(tile: tuple[int, int]) -> int:
+    """Shared memory the kernel allocates with ``tile`` (BLOCK_N, latent tiles): the prefill kernel's with one
+    stage at d_qk 576 (q, a latent and a rope tile, P, the reduction scratch), plus the second rope tile and the
+    second latent tile if any."""
+    block_n, latent = tile
+    return shared_bytes(576, block_n, 1) + 2 * block_n * 64 + (latent - 1) * block_n * 1024
 
 
-def choose_decode_tile(smem_limit: int, native_fp8: bool) -> int:
+def choose_decode_tile(smem_limit: int, native_fp8: bool) -> tuple[int, int]:
     """The first of ``TILES`` that fits ``smem_limit`` bytes (64 keys only with fp8 conversions)."""
-    for block_n in TILES:
-        if decode_shared_bytes(block_n) <= smem_limit and (native_fp8 or block_n < 64):
-            return block_n
+    for tile in TILES:
+        if decode_shared_bytes(tile) <= smem_limit and (native_fp8 or tile[0] < 64):
+            return tile
     raise ValueError(f"no tile of the mma_v2 decoding kernel fits {smem_limit} bytes of shared memory")
 
 
@@ -70,17 +76,17 @@ def _check(q, kv_cache, indices, topk_length, attn_sink) -> None:
 class DecodeLaunch:
     """The kernel's launch for one call signature, as ``sparse_mla.launch.SparseDecodePlan`` calls a decoding
     launch: ``tokens`` queries of ``h_q`` heads over one V3.2 cache, whether lengths and sinks come, the split
-    count; ``tile`` BLOCK_N instead of the device's ``choose_decode_tile``, ``native_fp8`` False for the bit
+    count; ``tile`` (BLOCK_N, latent tiles) instead of the device's ``choose_decode_tile``, ``native_fp8`` False for the bit
     arithmetic of sm_80/86 on any GPU."""
 
     def __init__(self, device: torch.device, tokens: int, h_q: int, has_len: bool, has_sink: bool, num_splits: int,
-                 tile: Optional[int] = None, native_fp8: Optional[bool] = None):
+                 tile: Optional[tuple[int, int]] = None, native_fp8: Optional[bool] = None):
         from .decode import sparse_decode_mma_v2_kernel  # Gluon: imported where it can run
         native = runtime.native_fp8(device) if native_fp8 is None else native_fp8
-        self.block_n = tile or choose_decode_tile(runtime.max_shared_memory(device), native)
+        block_n, latent = tile or choose_decode_tile(runtime.max_shared_memory(device), native)
         self.hb = triton.cdiv(h_q, HEADS)
         self.grid = (tokens * self.hb, num_splits, 1)
-        self.constexprs = [has_len, has_sink, num_splits > 1, native, self.block_n, K_STEP]
+        self.constexprs = [has_len, has_sink, num_splits > 1, native, block_n, latent, K_STEP]
         self.launcher = Launcher(sparse_decode_mma_v2_kernel, num_warps=8)
 
     def __call__(self, call, typed, len_div: int, sm_scale: float, num_splits: int, ws) -> None:
@@ -108,14 +114,14 @@ class DecodeLaunch:
 
 def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                   topk_length: Optional[torch.Tensor] = None, attn_sink: Optional[torch.Tensor] = None,
-                  num_splits: Optional[int] = None, tile: Optional[int] = None, *,
+                  num_splits: Optional[int] = None, tile: Optional[tuple[int, int]] = None, *,
                   native_fp8: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse ``flash_mla_with_kvcache`` over a V3.2 FP8 paged cache on the ``mma_v2`` kernel: ``(out [b, s_q,
     h_q, 512] bf16, lse [b, h_q, s_q] fp32, natural log: a transposed view of the [b, s_q, h_q] the kernel
     writes, as ``flash_mla_with_kvcache`` returns sparse decoding's)``. ``indices``: slots ``block * page + offset``; -1,
     ``>= blocks * page`` and positions from ``topk_length[b]`` on are skipped. ``num_splits``: key-block splits a
-    token (default: enough programs for every multiprocessor, ``splits.choose_num_splits``); ``tile``: BLOCK_N
-    instead of the device's ``choose_decode_tile``; ``native_fp8``: False decodes the codes with the bit
+    token (default: enough programs for every multiprocessor, ``splits.choose_num_splits``); ``tile``: (BLOCK_N,
+    latent tiles) instead of the device's ``choose_decode_tile``; ``native_fp8``: False decodes the codes with the bit
     arithmetic of sm_80/86 on any GPU (the default is what the device has)."""
     from anymla.kvcache import KVCacheFormat
 
@@ -129,9 +135,9 @@ def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor
         return out, lse.transpose(1, 2)
     idx = indices.reshape(tokens, 1, topk).contiguous()
     native = runtime.native_fp8(q.device) if native_fp8 is None else native_fp8
-    block_n = tile or choose_decode_tile(runtime.max_shared_memory(q.device), native)
+    tile = tile or choose_decode_tile(runtime.max_shared_memory(q.device), native)
     # One program a multiprocessor at a time (~250 registers x 256 threads)
-    splits = num_splits or choose_num_splits(tokens * triton.cdiv(h_q, HEADS), triton.cdiv(topk, block_n),
+    splits = num_splits or choose_num_splits(tokens * triton.cdiv(h_q, HEADS), triton.cdiv(topk, tile[0]),
                                              runtime.num_cores(q.device), 1, False)
     ws = workspaces(splits, tokens, h_q, q.device)
     call = CallTensors(q, kv_cache, idx, topk_length, None, None, None, attn_sink, out, lse, None)
@@ -140,7 +146,7 @@ def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor
         main = Source.paged(kv_cache, KVCacheFormat.V32_FP8, idx, topk_length)
         return q.reshape(tokens, h_q, 576), main, None, out.view(tokens, h_q, 512), lse.view(tokens, h_q)
 
-    DecodeLaunch(q.device, tokens, h_q, topk_length is not None, attn_sink is not None, splits, block_n, native)(
+    DecodeLaunch(q.device, tokens, h_q, topk_length is not None, attn_sink is not None, splits, tile, native)(
         call, typed, s_q, sm_scale, splits, ws)
     if ws is not None:
         _combine(splits, h_q, attn_sink is not None)(ws, out, lse, 1, (h_q * 512, 0, 512), (h_q, 0, 1), attn_sink)

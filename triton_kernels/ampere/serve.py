@@ -109,10 +109,10 @@ def programs(device: torch.device) -> TileConfig:
 
 def decode_programs(device: torch.device) -> TileConfig:
     """The decoding kernel's programs as the split choice counts them: 64 heads, its keys a block on ``device``,
-    8 warps, one program a multiprocessor (~250 registers x 256 threads)."""
+    8 warps, its latent tiles as the stages, one program a multiprocessor (~250 registers x 256 threads)."""
     from .decode_launch import choose_decode_tile
-    block_n = choose_decode_tile(runtime.max_shared_memory(device), runtime.native_fp8(device))
-    return TileConfig(HEADS, block_n, 8, 1)
+    block_n, latent_tiles = choose_decode_tile(runtime.max_shared_memory(device), runtime.native_fp8(device))
+    return TileConfig(HEADS, block_n, 8, latent_tiles)
 
 
 def decide(hopper: bool, device: torch.device, call_reasons) -> tuple[bool, list[str], list[str]]:

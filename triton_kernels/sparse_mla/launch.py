@@ -244,13 +244,15 @@ class SparseDecodePlan:
                                                     has_x, has_len, has_x_len, has_sink, split, p.q.dtype)
         elif self.mma_v2:
             from ..ampere.decode_launch import DecodeLaunch
-            self.launch = DecodeLaunch(p.device, tokens, h_q, has_len, has_sink, self.num_splits, shape.block_n)
+            self.launch = DecodeLaunch(p.device, tokens, h_q, has_len, has_sink, self.num_splits,
+                                       (shape.block_n, shape.num_stages))
         else:
             self.launch = _Portable(p.device, tile, d, fmt, x_fmt, has_len, has_x_len, has_sink, False, split,
                                     tokens, h_q, 1)
         self.combine = Combine(self.num_splits) if split else None
         if self.mma_v2:
-            self.description = mma_v2.running(f"{shape.block_n} keys a block", reasons, self.num_splits)
+            self.description = mma_v2.running(f"{shape.block_n} keys a block, {shape.num_stages} latent tiles",
+                                              reasons, self.num_splits)
         else:
             self.description = hopper.describe(reasons, "sparse", tile, self.num_splits, form) + \
                 mma_v2.not_running(mma_device, mma_call)
