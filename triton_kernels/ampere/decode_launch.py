@@ -22,9 +22,9 @@ from .launch import HEADS, K_STEP, check_rows, shared_bytes
 
 ROW_BYTES = 656  # a V3.2 FP8 cache row (anymla.kvcache)
 # (BLOCK_N, latent tiles), preferred first; two latent tiles where they fit (block j + 1 dequantized into one
-# after block j's P·V from the other, ``decode.py``: 3-4 % faster than one on the sm_90 stand-in, run 126). 64 keys
-# fit the 227 KB GPUs (sm_90, sm_100); sm_80's 163 KB takes 32 (without fp8 conversions 64 keys' codes and their bit
-# arithmetic spill anyway: 68 B with one tile); the 99 KB GPUs take 16 with one latent tile.
+# after block j's P·V from the other, ``decode.py``: 3-7 % faster than one on the sm_90 stand-in, runs 126-127).
+# 64 keys fit the 227 KB GPUs (sm_90, sm_100); sm_80's 163 KB takes 32 (without fp8 conversions 64 keys' codes and
+# their bit arithmetic spill anyway: 68 B with one tile); the 99 KB GPUs take 16 with one latent tile.
 TILES = ((64, 2), (32, 2), (16, 1))
 # Also valid (tests, timings): one latent tile, each block dequantized before it is attended.
 ONE_TILE = ((64, 1), (32, 1))
@@ -76,8 +76,8 @@ def _check(q, kv_cache, indices, topk_length, attn_sink) -> None:
 class DecodeLaunch:
     """The kernel's launch for one call signature, as ``sparse_mla.launch.SparseDecodePlan`` calls a decoding
     launch: ``tokens`` queries of ``h_q`` heads over one V3.2 cache, whether lengths and sinks come, the split
-    count; ``tile`` (BLOCK_N, latent tiles) instead of the device's ``choose_decode_tile``, ``native_fp8`` False for the bit
-    arithmetic of sm_80/86 on any GPU."""
+    count; ``tile`` (BLOCK_N, latent tiles) instead of the device's ``choose_decode_tile``, ``native_fp8`` False
+    for the bit arithmetic of sm_80/86 on any GPU."""
 
     def __init__(self, device: torch.device, tokens: int, h_q: int, has_len: bool, has_sink: bool, num_splits: int,
                  tile: Optional[tuple[int, int]] = None, native_fp8: Optional[bool] = None):
@@ -121,8 +121,8 @@ def sparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor
     writes, as ``flash_mla_with_kvcache`` returns sparse decoding's)``. ``indices``: slots ``block * page + offset``; -1,
     ``>= blocks * page`` and positions from ``topk_length[b]`` on are skipped. ``num_splits``: key-block splits a
     token (default: enough programs for every multiprocessor, ``splits.choose_num_splits``); ``tile``: (BLOCK_N,
-    latent tiles) instead of the device's ``choose_decode_tile``; ``native_fp8``: False decodes the codes with the bit
-    arithmetic of sm_80/86 on any GPU (the default is what the device has)."""
+    latent tiles) instead of the device's ``choose_decode_tile``; ``native_fp8``: False decodes the codes with the
+    bit arithmetic of sm_80/86 on any GPU (the default is what the device has)."""
     from anymla.kvcache import KVCacheFormat
 
     from ..sparse_mla.launch import CallTensors, Source
