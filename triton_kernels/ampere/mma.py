@@ -12,15 +12,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from ..hopper.partitions import NEG, RESCALE_THRESHOLD_LOG2, block_indices, exp2_approx
+from ..hopper.partitions import NEG, RESCALE_THRESHOLD_LOG2, barrier, block_indices, exp2_approx
 
 BLOCK_H = gl.constexpr(64)  # the layouts below are written for 8 warps (launch: num_warps=8)
 # 16-byte pieces (8 columns a thread) for the copies: a warp covers one row of 256 columns (latent tiles) or
 # 4 rows of 64 (rope tiles, and the queries 64 columns at a time).
 WIDE_ROWS = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
 ROWS = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))
-# Triton 3.7 renamed the CTA barrier.
-barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
 @gluon.constexpr_function

@@ -29,8 +29,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..common import FMT_BF16, FMT_V41_FP8
 from .dequant import _slots_at, block_counts, fill_sources, second_source
-from .partitions import (NEG, RESCALE_THRESHOLD_LOG2, ROWS_LAYOUT, WIDE_ROWS_LAYOUT, _store_output, block_indices,
-                         exp2_approx, warpgroup_mma_layout)
+from .partitions import (NEG, RESCALE_THRESHOLD_LOG2, ROWS_LAYOUT, WIDE_ROWS_LAYOUT, _store_output, barrier,
+                         block_indices, exp2_approx, warpgroup_mma_layout)
 
 
 @gluon.constexpr_function
@@ -64,8 +64,55 @@ OUT_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))
 
 
 @gluon.jit
+def _scores(k_tile, kr_tile, q_smem, qr_smem, s_layout: gl.constexpr, D_QK: gl.constexpr, TWO_CHAINS: gl.constexpr):
+    """Sᵀ = K·qᵀ of one stage ``[BLOCK_N, HEADS]`` fp32. ``TWO_CHAINS`` (prefill, bound by this warpgroup's
+    chain): as two accumulators taking alternate 16-column steps of d; with N = HEADS a step is a short matrix
+    op, and one accumulator makes the 32-36 steps one chain, each waiting for the one before. (Decoding is
+    bound by its workers, and its second accumulator spills at 32 heads.)"""
+    BLOCK_N: gl.constexpr = k_tile.shape[0]
+    HEADS: gl.constexpr = q_smem.shape[0]
+    if not TWO_CHAINS:
+        s = warpgroup_mma(k_tile, q_smem.permute((1, 0)), gl.zeros([BLOCK_N, HEADS], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+        if D_QK == 576:
+            s = warpgroup_mma(kr_tile, qr_smem.permute((1, 0)), s, is_async=True)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    even = gl.zeros([BLOCK_N, HEADS], gl.float32, s_layout)
+    odd = gl.zeros([BLOCK_N, HEADS], gl.float32, s_layout)
+    for c in gl.static_range(0, 512, 32):
+        even = warpgroup_mma(k_tile.slice(c, 16, dim=1), q_smem.slice(c, 16, dim=1).permute((1, 0)), even,
+                             use_acc=c > 0, is_async=True)
+        odd = warpgroup_mma(k_tile.slice(c + 16, 16, dim=1), q_smem.slice(c + 16, 16, dim=1).permute((1, 0)), odd,
+                            use_acc=c > 0, is_async=True)
+    if D_QK == 576:
+        for c in gl.static_range(0, 64, 32):
+            even = warpgroup_mma(kr_tile.slice(c, 16, dim=1), qr_smem.slice(c, 16, dim=1).permute((1, 0)), even,
+                                 is_async=True)
+            odd = warpgroup_mma(kr_tile.slice(c + 16, 16, dim=1), qr_smem.slice(c + 16, 16, dim=1).permute((1, 0)),
+                                odd, is_async=True)
+    even, odd = warpgroup_mma_wait(num_outstanding=0, deps=(even, odd))
+    return even + odd
+
+
+@gluon.jit
+def _keys_max(s, partials):
+    """The maximum over the keys (dim 0, 16 a warp) of Sᵀ ``[BLOCK_N, HEADS]``, in the heads' layout of Sᵀ, with
+    one barrier: each warp's maximum over its 16 keys into ``partials`` [4, HEADS] (the caller alternates two
+    of them, so a warp writing the next block's never overtakes one still reading this block's), then every
+    thread takes the four partials of its heads. (``gl.max`` over dim 0 takes three barriers.)"""
+    BLOCK_N: gl.constexpr = s.shape[0]
+    HEADS: gl.constexpr = s.shape[1]
+    per_warp = gl.max(gl.reshape(s, [4, BLOCK_N // 4, HEADS]), 1)
+    partials.store(per_warp)
+    barrier()
+    # Four partials of a head in one thread, the heads placed as Sᵀ's columns: the maximum needs no exchange.
+    both: gl.constexpr = gl.BlockedLayout([4, 2], [8, 4], [4, 1], [1, 0])
+    return gl.convert_layout(gl.max(partials.load(both), 0), gl.SliceLayout(0, s.type.layout))
+
+
+@gluon.jit
 def _attend(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, first, second, m_run, m_use, l_acc, acc,
-            scale_log2, D_QK: gl.constexpr):
+            scale_log2, D_QK: gl.constexpr, PREFILL: gl.constexpr):
     """The default warpgroup over ``first``'s key blocks, then ``second``'s, in one loop (a block's source only
     decides which keys are valid), as the program's blocks ``0, 1, ...`` (stage ``i % 2``). Returns the softmax
     state and Oᵀ."""
@@ -75,18 +122,15 @@ def _attend(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, first, secon
     pos_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     n_first, n = block_counts(first, second)
     slots = _slots_at(first, second, n_first, 0, BLOCK_N, pos_l)
+    partials = gl.allocate_shared_memory(gl.float32, [2, 4, HEADS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     for i in range(0, n):
         stage = i % 2
         next_slots = _slots_at(first, second, n_first, i + 1, BLOCK_N, pos_l)
         mbarrier.wait(ready.index(stage), (i // 2) & 1)
-        s = gl.zeros([BLOCK_N, HEADS], gl.float32, s_layout)
-        s = warpgroup_mma(k_smem.index(stage), q_smem.permute((1, 0)), s, use_acc=False, is_async=True)
-        if D_QK == 576:
-            s = warpgroup_mma(kr_smem.index(stage), qr_smem.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        s = _scores(k_smem.index(stage), kr_smem.index(stage), q_smem, qr_smem, s_layout, D_QK, PREFILL)
         valid = gl.expand_dims(slots >= 0, 1)
         s = gl.where(valid, s, NEG)
-        m_new = gl.maximum(m_run, gl.max(s, 0) * scale_log2)
+        m_new = gl.maximum(m_run, _keys_max(s, partials.index(i % 2)) * scale_log2)
         # Skip-scale, lagging max per head (a select): p = 2^(s - m_use) stays <= 2^threshold.
         m_next = gl.where(m_new - m_use > RESCALE_THRESHOLD_LOG2, m_new, m_use)
         alpha = gl.expand_dims(exp2_approx(m_use - m_next), 0)
@@ -120,7 +164,7 @@ def attend_partition(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, mai
     acc = gl.zeros([512, HEADS], gl.float32, s_layout)
     second = second_source(main, extra, HAS_X)
     m_run, m_use, l_acc, acc = _attend(q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, main, second, m_run,
-                                       m_use, l_acc, acc, scale_log2, D_QK)
+                                       m_use, l_acc, acc, scale_log2, D_QK, PREFILL)
     rows_l: gl.constexpr = gl.SliceLayout(1, OUT_LAYOUT)
     out = gl.convert_layout(gl.permute(acc, (1, 0)), OUT_LAYOUT)
     _store_output(out, gl.convert_layout(gl.sum(l_acc, 0), rows_l), gl.convert_layout(m_use, rows_l),

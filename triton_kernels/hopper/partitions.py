@@ -30,6 +30,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+# Triton 3.7 renamed the CTA barrier (in a warp-specialized partition: its warps only).
+barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 BLOCK_H = gl.constexpr(64)
 NEG = gl.constexpr(-1.0e30)
 LOG2E = gl.constexpr(1.4426950408889634)
