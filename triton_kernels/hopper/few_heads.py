@@ -79,19 +79,24 @@ def _scores(k_tile, kr_tile, q_smem, qr_smem, s_layout: gl.constexpr, D_QK: gl.c
         return warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     even = gl.zeros([BLOCK_N, HEADS], gl.float32, s_layout)
     odd = gl.zeros([BLOCK_N, HEADS], gl.float32, s_layout)
-    for c in gl.static_range(0, 512, 32):
-        even = warpgroup_mma(k_tile.slice(c, 16, dim=1), q_smem.slice(c, 16, dim=1).permute((1, 0)), even,
-                             use_acc=c > 0, is_async=True)
-        odd = warpgroup_mma(k_tile.slice(c + 16, 16, dim=1), q_smem.slice(c + 16, 16, dim=1).permute((1, 0)), odd,
-                            use_acc=c > 0, is_async=True)
+    even, odd = _alternate_steps(k_tile, q_smem, even, odd, True)
     if D_QK == 576:
-        for c in gl.static_range(0, 64, 32):
-            even = warpgroup_mma(kr_tile.slice(c, 16, dim=1), qr_smem.slice(c, 16, dim=1).permute((1, 0)), even,
-                                 is_async=True)
-            odd = warpgroup_mma(kr_tile.slice(c + 16, 16, dim=1), qr_smem.slice(c + 16, 16, dim=1).permute((1, 0)),
-                                odd, is_async=True)
+        even, odd = _alternate_steps(kr_tile, qr_smem, even, odd, False)
     even, odd = warpgroup_mma_wait(num_outstanding=0, deps=(even, odd))
     return even + odd
+
+
+@gluon.jit
+def _alternate_steps(k_cols, q_cols, even, odd, FIRST: gl.constexpr):
+    """``even`` / ``odd`` += the even / odd 16-column steps of ``k_cols``·``q_cols``ᵀ (``FIRST``: they start
+    empty)."""
+    WIDTH: gl.constexpr = k_cols.shape[1]
+    for c in gl.static_range(0, WIDTH, 32):
+        even = warpgroup_mma(k_cols.slice(c, 16, dim=1), q_cols.slice(c, 16, dim=1).permute((1, 0)), even,
+                             use_acc=(c > 0) or not FIRST, is_async=True)
+        odd = warpgroup_mma(k_cols.slice(c + 16, 16, dim=1), q_cols.slice(c + 16, 16, dim=1).permute((1, 0)), odd,
+                            use_acc=(c > 0) or not FIRST, is_async=True)
+    return even, odd
 
 
 @gluon.jit
@@ -106,8 +111,8 @@ def _keys_max(s, partials):
     partials.store(per_warp)
     barrier()
     # Four partials of a head in one thread, the heads placed as Sᵀ's columns: the maximum needs no exchange.
-    both: gl.constexpr = gl.BlockedLayout([4, 2], [8, 4], [4, 1], [1, 0])
-    return gl.convert_layout(gl.max(partials.load(both), 0), gl.SliceLayout(0, s.type.layout))
+    four_a_thread: gl.constexpr = gl.BlockedLayout([4, 2], [8, 4], [4, 1], [1, 0])
+    return gl.convert_layout(gl.max(partials.load(four_a_thread), 0), gl.SliceLayout(0, s.type.layout))
 
 
 @gluon.jit
