@@ -543,9 +543,9 @@ def test_a_peer_measured_faster_is_chosen_and_explain_says_why(fresh_dispatch, m
 
 
 def test_flashmla_peer_measured_regimes(monkeypatch):
-    """The regimes where FlashMLA v1.0.0 beat the Triton tier on the H200: sparse prefill above 16 heads, sparse
-    decoding above 32 heads of V3.2 / MODEL1 caches, each only for calls large enough to be GPU-bound (below,
-    anymla's compiled call path is the faster eagerly); nothing on other GPUs, formats or ops."""
+    """The regimes where FlashMLA v1.0.0 beat the Triton tier on sm_90: sparse prefill above 32 heads, sparse
+    decoding above 32 heads of V3.2 caches and above 64 of MODEL1 caches, each only for calls large enough to be
+    GPU-bound (below, anymla's compiled call path is the faster eagerly); nothing on other GPUs, formats or ops."""
     from types import SimpleNamespace
     from anymla.backends import flashmla_peer
     from anymla.kvcache import KVCacheFormat as F
@@ -561,7 +561,7 @@ def test_flashmla_peer_measured_regimes(monkeypatch):
                                                          q=torch.empty(q_shape, device="meta"),
                                                          indices=torch.empty(topk, device="meta"), extra_indices=extra,
                                                          **dense)))
-    assert not faster("sparse_prefill", (4096, 16, 576)) and faster("sparse_prefill", (4096, 17, 576))
+    assert not faster("sparse_prefill", (4096, 32, 512)) and faster("sparse_prefill", (4096, 33, 576))
     assert faster("sparse_prefill", (4096, 128, 512))
     assert not faster("sparse_decode", (128, 1, 32, 576), F.V32_FP8)
     assert faster("sparse_decode", (128, 1, 64, 576), F.V32_FP8)
@@ -569,8 +569,11 @@ def test_flashmla_peer_measured_regimes(monkeypatch):
     assert faster("sparse_decode", (64, 1, 64, 576), F.V32_FP8) and \
         not faster("sparse_decode", (4, 1, 64, 576), F.V32_FP8, topk=512), "a host-bound call: anymla's own"
     assert not faster("sparse_prefill", (256, 128, 576), topk=128)
-    assert faster("sparse_decode", (128, 2, 64, 512), F.MODEL1_FP8, topk=128, extra_topk=512), \
-        "FlashMLA's CONFIG1: the extra cache's keys count"
+    assert not faster("sparse_decode", (128, 2, 64, 512), F.MODEL1_FP8, topk=128, extra_topk=512), \
+        "FlashMLA's CONFIG1 (MODEL1 at 64 heads): anymla's own"
+    assert faster("sparse_decode", (128, 2, 128, 512), F.MODEL1_FP8, topk=128, extra_topk=1024), "CONFIG2"
+    assert not faster("sparse_decode", (128, 2, 128, 512), F.MODEL1_FP8, topk=16, extra_topk=16), \
+        "a host-bound call, the extra cache's keys counted: anymla's own"
     assert not faster("sparse_decode", (128, 1, 64, 512), F.V41_FP8)
     # dense: FlashMLA at 128 query rows a kv head and more, where the call is GPU-bound
     assert faster("dense_decode", (128, 2, 128, 576)) and faster("dense_decode", (64, 1, 128, 576), s_k=4096)

@@ -96,21 +96,23 @@ def _arch(device: torch.device) -> int:
     return major
 
 
-# Regimes where FlashMLA v1.0.0 on sm_90 was measured faster than anymla's Triton tier (H200, torch 2.11, Triton
-# 3.6, GPU time, both in the same run, heads padded to 64 for FlashMLA as serving engines do; bench/results/h200/
-# run54_final, run59_fp16_keys, run62_bench and run91_bench, where the dispatcher then picked the faster in every
-# case but dense b128 h32, within 4 %): where this says nothing, the Triton tier was the faster (sparse prefill at
-# 16 heads or fewer: 1716 vs 2094 µs at h16 d576; sparse decoding at 32 heads or fewer: V3.2 b128 h8 / h16 / h32
-# 93.7 / 94.5 / 115 vs 128 / 127 / 127 µs; MODEL1 h16 108 vs 165; dense decoding of fewer than 128 query rows a
-# kv head: b128 h16 304 vs 315, b128 h32 328 vs 316, and b1 h128 39.6 vs 43.6, below the GPU-bound size).
-# Each entry: (the most query heads, or for dense decoding query rows a kv head, anymla keeps; why).
+# Regimes where FlashMLA v1.0.0 on sm_90 was measured faster than anymla's Triton tier (torch 2.11, Triton 3.6, GPU
+# time, both in the same run, heads padded to 64 for FlashMLA as serving engines do; H200: bench/results/h200/
+# run54_final, run59_fp16_keys, run62_bench, run91_bench and run122_dequant_warpgroup; H100: bench/results/h100/
+# run132_record): where this says nothing, the Triton tier was the faster (sparse prefill at 32 heads or fewer,
+# H100 2026-12-07: h16 d576 1736 vs 2174 µs, h32 d512 1801 vs 2095, h32 d576 2233 vs 2292; sparse decoding at 32
+# heads or fewer: V3.2 b128 h8 / h16 / h32 99.1 / 101 / 115 vs 132 / 134 / 137 µs, MODEL1 h16 114 vs 172 (H100,
+# 2026-12-07), and MODEL1 at 64 heads: FlashMLA's CONFIG1 97.5 vs 101 (H100, 2026-12-07), 94.3 vs 95.1 (H200,
+# 2026-12-06); dense decoding of fewer than 128 query rows a kv head: b128 h16 304 vs 315, b128 h32 328 vs 316, and
+# b1 h128 39.6 vs 43.6, below the GPU-bound size). Each entry: (the most query heads, or for dense decoding query
+# rows a kv head, anymla keeps, for sparse decoding by cache format; why).
 _FASTER_ON_SM90 = {
-    "sparse_prefill": (16, "FlashMLA v1.0.0 measured faster on sm_90 above 16 heads a token (H200, 2026-12-01, "
-                           "same run: h32 d512 1989 vs 2108 µs, h32 d576 2125 vs 2251, h64 d512 1941 vs 2544, h128 "
-                           "d576 4068 vs 5704)"),
-    "sparse_decode": (32, "FlashMLA v1.0.0 measured faster on sm_90 above 32 heads a token of a V32_FP8 or "
-                          "MODEL1_FP8 cache (H200, 2026-12-01, same run: MODEL1 h64 with an extra cache 94.0 vs "
-                          "134 µs, h128 208 vs 382; V3.2 b64 h64 80.0 vs 93.1, b128 s_q 2 h128 369 vs 503)"),
+    "sparse_prefill": (32, "FlashMLA v1.0.0 measured faster on sm_90 above 32 heads a token (H200, 2026-12-01, "
+                           "same run: h64 d512 1941 vs 2544 µs, h128 d576 4068 vs 5704)"),
+    "sparse_decode": ({KVCacheFormat.V32_FP8: 32, KVCacheFormat.MODEL1_FP8: 64},
+                      "FlashMLA v1.0.0 measured faster on sm_90 above 32 heads a token of a V32_FP8 cache and above "
+                      "64 of a MODEL1_FP8 cache (H200, 2026-12-01, same run: V3.2 b64 h64 80.0 vs 93.1 µs, b128 s_q 2 "
+                      "h128 369 vs 503; H100, 2026-12-07, same run: MODEL1 h128 with an extra cache 213 vs 263)"),
     "dense_decode": (127, "FlashMLA v1.0.0 measured faster on sm_90 for dense decoding of at least 128 query rows "
                           "a kv head (H200, each pair from one run: b128 s_q 2 h128 s_k 8192 843 vs 1085 µs and 891 vs "
                           "1059 on 2026-12-02, 900 vs 1123 on 2026-12-01; b64 h128 s_k 4096 121 vs 143 on "
@@ -154,6 +156,10 @@ class FlashMLAPeer(Backend):
         if regime is None or problem.device.type != "cuda" or _arch(problem.device) != 9:
             return ""
         most, why = regime
+        if isinstance(most, dict):
+            most = most.get(problem.fmt)
+            if most is None:  # a format v1.0.0 does not decode
+                return ""
         q = problem.q
         if problem.op == "dense_decode":
             # the query rows of a kv head (FlashMLA's tile rows) and, as keys, the block table's capacity (a call
@@ -166,7 +172,7 @@ class FlashMLAPeer(Backend):
             keys = problem.indices.shape[-1] + (0 if extra is None else extra.shape[-1])
         if q.numel() // q.shape[-1] * keys < _GPU_BOUND_PAIRS or wide <= most:
             return ""
-        return why if problem.op != "sparse_decode" or problem.fmt in _V1_FORMATS else ""
+        return why
 
     def shape_reasons(self, problem) -> list[str]:
         module, _ = _flash_mla()
