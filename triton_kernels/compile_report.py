@@ -136,7 +136,7 @@ def report(kernel, pointer_types: dict, constexprs: dict, num_warps: int, arch: 
     return r
 
 
-_LOOP_OPS = ("HMMA", "LDSM", "LDG", "LDGSTS", "BAR", "LDS", "STS", "STSM", "SHFL", "MUFU")
+_LOOP_OPS = ("HMMA", "LDSM", "LDG", "LDGSTS", "BAR", "LDS", "STS", "STSM", "SHFL", "MUFU", "LDL", "STL")
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
@@ -315,8 +315,14 @@ def hopper_reports() -> list:
 AMPERE_ARCHS = ("80", "86", "89", "90", "120")
 
 
+# The mma_v2 V3.2 decoding kernel may spill a few bytes: its row sums kept in each thread (ampere/NOTES.md, run
+# 133) spill 8-16 B at sm_90 (4 B at sm_80 on Triton 3.7.1), one or two local stores an iteration of two blocks,
+# and made it 7.6 % faster on the mma.sync stand-in all the same. More is a regression.
+AMPERE_DECODE_SPILL_BUDGET = 16
+
+
 def ampere_reports(arch: Arch, sass: bool = False) -> list:
-    """(label, report, expected shared memory) of the ``mma_v2`` kernels (``ampere/``) with the tile their
+    """(label, report, expected shared memory, spill budget in bytes) of the ``mma_v2`` kernels (``ampere/``) with the tile their
     launches pick for ``arch`` (``launch.choose_tile``, ``decode_launch.choose_decode_tile``): sparse prefill at
     d_qk 576 and 512, sparse decoding over V3.2 FP8 (split, with lengths and sinks; fp8 conversions as ``arch``
     has them) and dense decoding at d_qk 576 (causal, split, with sinks). The expected bytes are the launch's own estimate, which must match what the compiler
@@ -334,17 +340,18 @@ def ampere_reports(arch: Arch, sass: bool = False) -> list:
         block_n, stages = choose_tile(d, arch.smem)
         consts = dict(D_QK=d, HAS_LEN=True, HAS_SINK=True, BLOCK_N=block_n, NUM_STAGES=stages, K_STEP=K_STEP)
         r = report(sparse_prefill_mma_v2_kernel, ptrs, consts, 8, arch, GluonASTSource, sass=sass)
-        jobs.append((f"mma_v2 prefill d{d} BN {block_n} x{stages}", r, shared_bytes(d, block_n, stages)))
+        jobs.append((f"mma_v2 prefill d{d} BN {block_n} x{stages}", r, shared_bytes(d, block_n, stages), 0))
     tile = choose_decode_tile(arch.smem, arch.native_fp8)
     consts = dict(HAS_LEN=True, HAS_SINK=True, SPLIT=True, NATIVE_FP8=arch.native_fp8, BLOCK_N=tile[0],
                   LATENT_TILES=tile[1], K_STEP=K_STEP)
     r = report(sparse_decode_mma_v2_kernel, {**ptrs, "kv_ptr": "*u8"}, consts, 8, arch, GluonASTSource, sass=sass)
-    jobs.append((f"mma_v2 decode v32 BN {tile[0]} x{tile[1]}", r, decode_shared_bytes(tile)))
+    jobs.append((f"mma_v2 decode v32 BN {tile[0]} x{tile[1]}", r, decode_shared_bytes(tile),
+                 AMPERE_DECODE_SPILL_BUDGET))
     block_n, stages = choose_tile(576, arch.smem)
     consts = dict(PAGE=64, D_QK=576, CAUSAL=True, HAS_SINK=True, SPLIT=True, BLOCK_N=block_n, NUM_STAGES=stages, K_STEP=K_STEP)
     r = report(dense_decode_mma_v2_kernel, {**ptrs, "bt_ptr": "*i32", "lens_ptr": "*i32"}, consts, 8, arch,
                GluonASTSource, sass=sass)
-    jobs.append((f"mma_v2 dense d576 BN {block_n} x{stages}", r, shared_bytes(576, block_n, stages)))
+    jobs.append((f"mma_v2 dense d576 BN {block_n} x{stages}", r, shared_bytes(576, block_n, stages), 0))
     return jobs
 
 
@@ -366,7 +373,8 @@ def main() -> None:
     ap.add_argument("--hopper", action="store_true", help="the Gluon kernels of hopper/ (sm_90, shipped tile)")
     ap.add_argument("--ampere", action="store_true",
                     help="the Gluon mma_v2 kernels of ampere/ (sparse prefill, V3.2 FP8 sparse and dense decoding) for --arch "
-                         "(one of %s) with the tiles their launches pick; exit status 1 if one spills, does not fit or "
+                         "(one of %s) with the tiles their launches pick; exit status 1 if one spills (the V3.2 decoding "
+                         "kernel: more than AMPERE_DECODE_SPILL_BUDGET bytes), does not fit or "
                          "its launch misjudges its shared memory" % ", ".join(AMPERE_ARCHS))
     ap.add_argument("--sass", action="store_true", help="with --ampere: instructions a warp issues a key block")
     ap.add_argument("only", nargs="?", default="", help="only kernels whose label contains this")
@@ -376,11 +384,11 @@ def main() -> None:
     if a.ampere:
         if a.arch not in AMPERE_ARCHS:
             raise SystemExit(f"--ampere builds for {', '.join(AMPERE_ARCHS)}")
-        for label, r, expected in ampere_reports(arch, a.sass):
+        for label, r, expected, spill_budget in ampere_reports(arch, a.sass):
             print(_line(label, None, r) + (f"  loop {r['loop']}" if a.sass else ""), flush=True)
-            if not r["fits"] or r["spill_bytes"] != 0 or r["smem"] != expected:
-                raise SystemExit(f"{label}: spills, does not fit sm_{a.arch} or needs {r['smem']} bytes of shared "
-                                 f"memory where its launch expects {expected}")
+            if not r["fits"] or r["spill_bytes"] > spill_budget or r["smem"] != expected:
+                raise SystemExit(f"{label}: spills more than {spill_budget} B, does not fit sm_{a.arch} or needs "
+                                 f"{r['smem']} bytes of shared memory where its launch expects {expected}")
         return
     if a.hopper:
         for label, r, spill_budget in hopper_reports():

@@ -23,7 +23,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from ..common import e4m3_to_f32, e4m3x2_to_f16x2, e4m3x4_has_nan
 from ..hopper.dequant import ROPE_AT, _row_bytes
 from ..hopper.partitions import _store_output, block_indices
-from .mma import (BLOCK_H, attend_block, barrier, initial_state, key_mask, operand_smem, program_token,
+from .mma import (BLOCK_H, attend_block, barrier, initial_state, key_mask, operand_smem, program_token, row_sums,
                   stage_queries)
 
 SCALES_AT = gl.constexpr(512)  # byte offset of a row's 4 fp32 scales
@@ -125,7 +125,7 @@ def _decode_step(j, q_smem, qr_smem, k_now, k_next, r_now, r_next, p_smem, kv_pt
     ``k_now``). ``slots_a`` / ``slots_b``: blocks j + 1 and j + 2. With two tiles ``codes`` hold block j + 1,
     dequantized into ``k_next`` after block j's P·V. Returns the carried ``(codes, scales, slots_a, slots_b,
     state)`` for block j + 1."""
-    m_run, m_use, l, acc = state
+    m_run, m_use, l_part, acc = state
     valid = key_mask(idx_row_ptr, j, end, n_rows, BLOCK_N)
     async_copy.wait_group(0)  # block j's rope values (and at the first block the queries)
     # ... have landed for every warp, k_now is written, and every warp is done with block j - 1 (k_next, r_next
@@ -137,8 +137,8 @@ def _decode_step(j, q_smem, qr_smem, k_now, k_next, r_now, r_next, p_smem, kv_pt
         # Block j + 1's codes into the registers just freed: they travel while block j is multiplied.
         codes, scales = _load_codes(kv_ptr, slots_a, kv_sb, kv_sr, page, BLOCK_N)
         barrier()  # the latent tile is written
-    m_run, m_use, l, acc = attend_block(q_smem, qr_smem, k_now, r_now, p_smem, valid, scale_log2, m_run, m_use, l,
-                                        acc, 576, K_STEP)
+    m_run, m_use, l_part, acc = attend_block(q_smem, qr_smem, k_now, r_now, p_smem, valid, scale_log2, m_run,
+                                             m_use, l_part, acc, 576, K_STEP, False)
     if LATENT_TILES == 2:
         # One store of the whole block: Triton 3.6's barrier pass takes stores to slices of one tile for
         # overlapping writes and puts a barrier between them (NOTES.md, run 126).
@@ -147,7 +147,7 @@ def _decode_step(j, q_smem, qr_smem, k_now, k_next, r_now, r_next, p_smem, kv_pt
         codes, scales = _load_codes(kv_ptr, slots_b, kv_sb, kv_sr, page, BLOCK_N)
     # The slots of block j + 3, asked for a block before their loads need them.
     slots_c = block_indices(idx_row_ptr, j + 3, end, n_rows, BLOCK_N, slots_layout(BLOCK_N))
-    return codes, scales, slots_b, slots_c, (m_run, m_use, l, acc)
+    return codes, scales, slots_b, slots_c, (m_run, m_use, l_part, acc)
 
 
 @gluon.jit(do_not_specialize=["num_splits"])
@@ -189,7 +189,7 @@ def sparse_decode_mma_v2_kernel(
     if LATENT_TILES == 2:
         _store_dequantized(k_a, codes, scales, NATIVE_FP8)
         codes, scales = _load_codes(kv_ptr, slots_a, kv_sb, kv_sr, page, BLOCK_N)
-    state = initial_state()
+    state = initial_state(BLOCK_N)
     for j in range(j0, j1, 2):
         codes, scales, slots_a, slots_b, state = _decode_step(
             j, q_smem, qr_smem, k_a, k_b, r_a, r_b, p_smem, kv_ptr, kv_sb, kv_sr, page, idx_row_ptr, n_rows, end,
@@ -199,7 +199,8 @@ def sparse_decode_mma_v2_kernel(
                 j + 1, q_smem, qr_smem, k_b, k_a, r_b, r_a, p_smem, kv_ptr, kv_sb, kv_sr, page, idx_row_ptr, n_rows,
                 end, scale_log2, codes, scales, slots_a, slots_b, state, NATIVE_FP8, BLOCK_N, LATENT_TILES, K_STEP)
     async_copy.wait_group(0)
-    m_run, m_use, l, acc = state
+    m_run, m_use, l_part, acc = state
+    l = row_sums(l_part)
     # The dense epilogue's arguments with one query a program (rows = heads): partials [tokens, splits, h_q].
     out_args = (h_q, out_ptr, so_t, 0, so_h, lse_ptr, sl_t, 0, 1, po_ptr, plse_ptr, sink_ptr,
                 t, r0, 1, h_q, h_q, num_splits, split)

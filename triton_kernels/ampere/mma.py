@@ -5,7 +5,9 @@ Why hand-chosen layouts (``NOTES.md``): Triton gives both products ``warpsPerCTA
 reads all of q each block. Here both products share one mma layout, warps ``[2, 4]``: a warp owns 32 heads,
 BLOCK_N / 4 keys of S and 128 columns of O, so q is read 4 times a block, not 8, and the row statistics of S
 and O lie in the same registers (the rescale needs no layout change). S is two accumulators (d split in halves,
-summed at the end): twice the independent ``HMMA`` chains a warp.
+summed at the end): twice the independent ``HMMA`` chains a warp. The row sums of P stay partial, each thread
+summing the keys it holds (rescaled like O), and cross the warps once, at the end: a warp holds a quarter of its
+rows' keys, so a sum each block would cross the 4 warp columns through shared memory every block.
 """
 
 from triton.experimental import gluon
@@ -22,10 +24,15 @@ ROWS = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))
 
 
 @gluon.constexpr_function
+def s_warp_cols(block_n):
+    return min(4, block_n // 8)
+
+
+@gluon.constexpr_function
 def mma_layout(block_n):
     """S [64, BLOCK_N] and O [64, 512]: 2 x 4 warps. BLOCK_N 16 leaves too few keys for 4 warp columns of 8-key
     mma tiles: S then takes 4 x 2 warps (its row statistics are converted to O's rows)."""
-    cols = min(4, block_n // 8)
+    cols = s_warp_cols(block_n)
     return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[8 // cols, cols], instr_shape=[16, 8])
 
 
@@ -92,15 +99,60 @@ def stage_rows(q_ptr, q_at, ok, D_QK: gl.constexpr):
     return q_smem, qr_smem
 
 
+# [64, 4] per-warp-column partials loaded so that a thread holds the four of each of its rows (register bits:
+# the column, then rows 8 and 32), its rows those of O's layout (lanes: rows 1, 2, 4 past the quad; warps: row 16
+# past the 4 warp columns): their maximum is then in O's rows with no exchange.
+FOUR_A_ROW = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [8, 0], [32, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[0, 0], [0, 0], [16, 0]], block_bases=[], shape=[64, 4]))
+
+
 @gluon.jit
-def initial_state():
-    """``(m_run, m_use, l, acc)`` before the first key block, in O's layout."""
+def _row_max(s, ONE_BARRIER: gl.constexpr):
+    """The maximum over the keys of S [64, BLOCK_N] (S's layout), in O's rows. With ``ONE_BARRIER`` and 4 warp
+    columns (BLOCK_N >= 32) by one barrier: each warp's maximum over its keys (S's column ``32 a + 8 w + c`` lies
+    in warp column ``w``: shuffles within the quad only) into shared memory, then every thread takes the four of
+    its rows (``gl.max`` over the warp columns takes three barriers). The caller's barrier before the next block
+    keeps the next block's writes behind these reads."""
+    BLOCK_N: gl.constexpr = s.shape[1]
+    row_l: gl.constexpr = gl.SliceLayout(1, o_layout())
+    if ONE_BARRIER and s_warp_cols(BLOCK_N) == 4:
+        per_warp = gl.max(gl.max(gl.reshape(s, [BLOCK_H, BLOCK_N // 32, 4, 8]), 3), 1)
+        partials = gl.allocate_shared_memory(gl.float32, [BLOCK_H, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        partials.store(per_warp)
+        barrier()
+        return gl.convert_layout(gl.max(partials.load(FOUR_A_ROW), 1), row_l)
+    else:
+        return gl.convert_layout(gl.max(s, 1), row_l)
+
+
+@gluon.jit
+def _own_keys_sum(p):
+    """``[64, 4 x warp columns]``: P [64, BLOCK_N] (S's layout) summed over the keys of a row that one thread
+    holds: S's column ``a * width + 2 * c + e`` lies in the thread of ``c`` (``e``: the pair of columns an mma
+    tile gives a thread, ``a``: the tiles' repetition). No exchange between threads."""
+    BLOCK_N: gl.constexpr = p.shape[1]
+    width: gl.constexpr = 8 * s_warp_cols(BLOCK_N)
+    pairs = gl.sum(gl.reshape(p, [BLOCK_H, BLOCK_N // width, width // 2, 2]), 3)
+    return gl.sum(pairs, 1)
+
+
+@gluon.jit
+def initial_state(BLOCK_N: gl.constexpr):
+    """``(m_run, m_use, l_part, acc)`` before the first key block: the maxima in O's rows, ``l_part`` the
+    threads' partial row sums (``row_sums`` adds them up), ``acc`` in O's layout."""
     row_l: gl.constexpr = gl.SliceLayout(1, o_layout())
     m_run = gl.full([BLOCK_H], NEG, gl.float32, row_l)
     m_use = gl.full([BLOCK_H], NEG, gl.float32, row_l)
-    l = gl.zeros([BLOCK_H], gl.float32, row_l)
+    l_part = _own_keys_sum(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, mma_layout(BLOCK_N)))
     acc = gl.zeros([BLOCK_H, 512], gl.float32, o_layout())
-    return m_run, m_use, l, acc
+    return m_run, m_use, l_part, acc
+
+
+@gluon.jit
+def row_sums(l_part):
+    """``[64]`` in O's rows: the row sums of P from the threads' partials (one exchange across the warps)."""
+    return gl.convert_layout(gl.sum(l_part, 1), gl.SliceLayout(1, o_layout()))
 
 
 @gluon.jit
@@ -125,12 +177,14 @@ def _qk_half(q_smem, k_tile, c0, n_steps: gl.constexpr, s, K_STEP: gl.constexpr)
 
 
 @gluon.jit
-def attend_block(q_smem, qr_smem, k_tile, r_tile, p_smem, valid, scale_log2, m_run, m_use, l, acc,
-                 D_QK: gl.constexpr, K_STEP: gl.constexpr):
+def attend_block(q_smem, qr_smem, k_tile, r_tile, p_smem, valid, scale_log2, m_run, m_use, l_part, acc,
+                 D_QK: gl.constexpr, K_STEP: gl.constexpr, ONE_BARRIER_MAX: gl.constexpr):
     """One key block: ``k_tile`` [BLOCK_N, 512] (K, and unchanged V) and ``r_tile`` [BLOCK_N, 64] (the rope
     tail, d_qk 576), in shared memory and visible to every warp; ``valid`` [1, BLOCK_N] (S's column layout)
-    marks the keys to attend. Returns the new ``(m_run, m_use, l, acc)``. P goes through ``p_smem``: the caller
-    keeps it (and the tiles) unwritten until every warp is past this block."""
+    marks the keys to attend; ``ONE_BARRIER_MAX``: S's row maximum by ``_row_max``'s one barrier (faster where
+    the kernel has registers to spare: prefill, not V3.2 decoding, NOTES.md run 133). Returns the new ``(m_run,
+    m_use, l_part, acc)``. P goes through ``p_smem``: the caller keeps it (and the tiles) unwritten until every
+    warp is past this block."""
     gl.static_assert((K_STEP == 16) or (K_STEP == 32), "K_STEP: 16 or 32 (a rope half is 32 columns)")
     BLOCK_N: gl.constexpr = k_tile.shape[0]
     dtype: gl.constexpr = k_tile.dtype
@@ -146,13 +200,14 @@ def attend_block(q_smem, qr_smem, k_tile, r_tile, p_smem, valid, scale_log2, m_r
         s_hi = _qk_half(qr_smem, r_tile, 32, 32 // K_STEP, s_hi, K_STEP)
     # Raw logits; the scale is folded into the exponent, as in the Hopper kernels.
     s = gl.where(valid, s_lo + s_hi, NEG)
-    m_new = gl.maximum(m_run, gl.convert_layout(gl.max(s, 1), row_l) * scale_log2)
+    m_new = gl.maximum(m_run, _row_max(s, ONE_BARRIER_MAX) * scale_log2)
     # Skip-scale with a lagging max per row (a select): p = 2^(s - m_use) stays <= 2^threshold.
     m_next = gl.where(m_new - m_use > RESCALE_THRESHOLD_LOG2, m_new, m_use)
     alpha = exp2_approx(m_use - m_next)
     m_s = gl.expand_dims(gl.convert_layout(m_next, gl.SliceLayout(1, s_l)), 1)
     p = gl.where(valid, exp2_approx(s * scale_log2 - m_s), 0.0)
-    l = l * alpha + gl.convert_layout(gl.sum(p, 1), row_l)
+    part_rows: gl.constexpr = gl.SliceLayout(1, l_part.type.layout)
+    l_part = l_part * gl.expand_dims(gl.convert_layout(alpha, part_rows), 1) + _own_keys_sum(p)
     acc = acc * gl.expand_dims(alpha, 1)
     # P crosses warps (a warp's S columns are a quarter of its P·V rows' keys): through shared memory.
     p_smem.store(p.to(dtype))
@@ -163,7 +218,7 @@ def attend_block(q_smem, qr_smem, k_tile, r_tile, p_smem, valid, scale_log2, m_r
         a = p_smem.slice(c * 16, 16, dim=1).load(pa_l)
         v = k_tile.slice(c * 16, 16, dim=0).load(v_l)
         acc = mma_v2(a, v, acc)
-    return m_new, m_next, l, acc
+    return m_new, m_next, l_part, acc
 
 
 @gluon.jit
@@ -199,13 +254,14 @@ def attend_blocks(q_smem, qr_smem, k_smem, kr_smem, p_smem, j0, j1, kv_ptr, src,
     stages of ``k_smem`` [NUM_STAGES, BLOCK_N, 512] (and ``kr_smem``, the rope tails at d_qk 576): block j + 1's
     copies travel while block j is attended. ``ROWS_OF(src, j, BLOCK_N, layout)``: block j's row offsets and
     which rows to read (the others are zero-filled); ``MASK_OF(src, j, BLOCK_N)``: the keys to attend, ``[1,
-    BLOCK_N]`` or ``[64, BLOCK_N]`` in S's layout. Returns ``(m_run, m_use, l, acc)`` with every copy landed."""
+    BLOCK_N]`` or ``[64, BLOCK_N]`` in S's layout. Returns ``(m_run, m_use, l, acc)`` (``l`` the row sums of P)
+    with every copy landed."""
     NUM_STAGES: gl.constexpr = k_smem.shape[0]
     for b in gl.static_range(NUM_STAGES - 1):
         if j0 + b < j1:
             _copy_block(k_smem, kr_smem, b, j0 + b, kv_ptr, src, ROWS_OF, D_QK)
         async_copy.commit_group()
-    m_run, m_use, l, acc = initial_state()
+    m_run, m_use, l_part, acc = initial_state(k_smem.shape[1])
     for j in range(j0, j1):
         i = j - j0
         if NUM_STAGES == 1:
@@ -223,7 +279,8 @@ def attend_blocks(q_smem, qr_smem, k_smem, kr_smem, p_smem, j0, j1, kv_ptr, src,
                             ROWS_OF, D_QK)
             async_copy.commit_group()
         stage = i % NUM_STAGES
-        m_run, m_use, l, acc = attend_block(q_smem, qr_smem, k_smem.index(stage), kr_smem.index(stage), p_smem,
-                                            valid, scale_log2, m_run, m_use, l, acc, D_QK, K_STEP)
+        m_run, m_use, l_part, acc = attend_block(q_smem, qr_smem, k_smem.index(stage), kr_smem.index(stage),
+                                                 p_smem, valid, scale_log2, m_run, m_use, l_part, acc, D_QK, K_STEP,
+                                                 True)
     async_copy.wait_group(0)
-    return m_run, m_use, l, acc
+    return m_run, m_use, row_sums(l_part), acc
