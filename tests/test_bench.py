@@ -509,3 +509,35 @@ def test_the_report_gives_the_gather_floor_under_a_decoding_shape():
     assert text in report.format_table(outcomes, describe(CPU), ceilings)
     rows = report.csv_rows(outcomes, describe(CPU), ceilings)
     assert float(rows[1]["frac_of_gather"]) == pytest.approx(0.5) and rows[0]["gather_us"] == ""
+
+
+def test_standins_table_puts_each_stand_in_beside_the_shipped_path(tmp_path):
+    """``bench.standins``: a row per canonical case, the stand-ins' times with their own runs' ceiling ratios and
+    the portable kernel's slowdown against the shipped path; runs of mixed settings are refused."""
+    import csv
+    from anymla.bench.standins import table
+    fields = ["backend", "stand_in", "case", "status", "median_us", "bound", "ratio_to_matmul", "ratio_to_copy",
+              "matmul_tflops", "copy_gbps", "device_name", "torch", "triton"]
+
+    def run(name, stand_in, us, matmul):
+        path = tmp_path / f"{name}.csv"
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fields)
+            w.writeheader()
+            for case, t in us.items():
+                common = dict(stand_in=stand_in, case=case, status="ok", median_us=t, bound="compute",
+                              ratio_to_matmul=100.0 / t, ratio_to_copy=0.1, matmul_tflops=matmul, copy_gbps=3000,
+                              device_name="GPU", torch="2.11", triton="3.6")
+                w.writerow(dict(common, backend="triton"))
+                w.writerow(dict(common, backend="reference", median_us=1e6))
+        return str(path)
+    text = table(run("shipped", "", {"a": 100, "b": 50}, 700), run("portable", "portable", {"a": 250, "b": 60}, 650),
+                 run("mma", "portable+mma.sync", {"a": 200, "b": 80}, 420))
+    assert "| a | 100 | 250 (0.4 matmul) | 2.50x | 200 (0.5 matmul) |" in text
+    assert "| b | 50 | 60 (1.67 matmul) | 1.20x | 80 (1.25 matmul) |" in text
+    assert "mma.sync: matmul 420.0 TFLOP/s" in text
+    mixed = tmp_path / "mixed.csv"
+    mixed.write_text(open(run("p2", "portable", {"a": 1}, 1)).read()
+                     + "triton,portable+mma.sync,b,ok,1,compute,1,1,1,1,GPU,2.11,3.6\n")
+    with pytest.raises(SystemExit, match="one run's rows"):
+        table(run("s2", "", {"a": 1}, 1), str(mixed), str(mixed))
