@@ -541,3 +541,24 @@ def test_standins_table_puts_each_stand_in_beside_the_shipped_path(tmp_path):
                      + "triton,portable+mma.sync,b,ok,1,compute,1,1,1,1,GPU,2.11,3.6\n")
     with pytest.raises(SystemExit, match="one run's rows"):
         table(run("s2", "", {"a": 1}, 1), str(mixed), str(mixed))
+
+
+def test_ab_times_each_prepared_version_in_its_own_process(tmp_path):
+    """``bench.ab``: ``prepare`` puts a git revision's and the working tree's package folders side by side; ``run``
+    times each in a process whose ``anymla`` is that version (here the reference backend on the CPU), the first
+    again last, each output compared with the reference."""
+    from anymla.bench import ab
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    trees = str(tmp_path / "trees")
+    assert ab.prepare(trees, ["old=HEAD", "new=WORKTREE"], repo) == ["old", "new"]
+    assert os.path.exists(os.path.join(trees, "new", "dispatch", "api.py"))
+    assert not os.path.exists(os.path.join(trees, "new", "bench", "results"))
+    with pytest.raises(SystemExit, match="given twice"):
+        ab.prepare(trees, ["x=HEAD", "x=WORKTREE"], repo)
+    ab.prepare(trees, ["old=HEAD", "new=WORKTREE"], repo)
+    rows = ab.run(trees, ["sparse_decode:b=1,h_q=16,s_k=64,topk=32"], device="cpu", backend="reference", reps=2)
+    assert [r["label"] for r in rows] == ["old", "new", "old (again)"], rows
+    assert all(r["agree"] == "ok" and r["us"] > 0 for r in rows), rows
+    assert "| sparse_decode:b=1,h_q=16,s_k=64,topk=32 |" in ab.table(rows)
