@@ -45,10 +45,10 @@ def _cell(row: Optional[dict]) -> str:
 
 
 def table(shipped: str, portable: str, mma_sync: str, mma_sync_triton: Optional[str] = None) -> str:
-    runs = [_rows(p) for p in (shipped, portable, mma_sync)] + ([_rows(mma_sync_triton)] if mma_sync_triton else [])
-    header = ["canonical case", "shipped", "portable, wgmma", "portable / shipped", "mma.sync"]
-    if mma_sync_triton:
-        header.append("mma.sync, portable Triton kernel")
+    paths = [p for p in (shipped, portable, mma_sync, mma_sync_triton) if p]
+    runs = [_rows(p) for p in paths]
+    names = ["shipped", "portable, wgmma", "mma.sync", "mma.sync, portable Triton kernel"][:len(runs)]
+    header = ["canonical case", *names[:2], "portable / shipped", *names[2:]]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for case in runs[0]:
         got = [run.get(case) for run in runs]
@@ -58,7 +58,7 @@ def table(shipped: str, portable: str, mma_sync: str, mma_sync_triton: Optional[
         lines.append("| " + " | ".join(cells) + " |")
     first = next(iter(runs[0].values()))
     ceilings = "; ".join(f"{name}: matmul {float(next(iter(run.values()))['matmul_tflops']):.1f} TFLOP/s"
-                         for name, run in zip(header[1:2] + header[2:3] + header[4:], runs))
+                         for name, run in zip(names, runs))
     return (f"{first['device_name']}, torch {first['torch']}, Triton {first['triton']}, GPU µs; ceilings of each "
             f"run ({ceilings}; copy {float(first['copy_gbps']):.0f} GB/s)\n\n" + "\n".join(lines))
 

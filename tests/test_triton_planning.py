@@ -73,7 +73,8 @@ def test_hopper_kernels_build_for_sm90_and_fit():
 def test_ampere_mma_v2_kernels_build_for_each_arch(arch):
     """The Gluon mma_v2 kernels (triton_kernels/ampere/: sparse prefill at d_qk 576 and 512, V3.2 FP8 sparse
     decoding, dense decoding) compile for the GPUs without wgmma (and for sm_90, their stand-in) with the tiles their launches
-    pick: no spills, within shared memory, and the launches' estimates of that memory right (offline, no GPU)."""
+    pick: no spills (the V3.2 decoding kernel: within its measured allowance, ``AMPERE_DECODE_SPILL_BUDGET``),
+    within shared memory, and the launches' estimates of that memory right (offline, no GPU)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere", reason="this Triton has no Gluon mma_v2")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-m", "anymla.triton_kernels.compile_report", "--ampere", "--arch", arch],

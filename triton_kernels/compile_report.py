@@ -322,11 +322,11 @@ AMPERE_DECODE_SPILL_BUDGET = 16
 
 
 def ampere_reports(arch: Arch, sass: bool = False) -> list:
-    """(label, report, expected shared memory, spill budget in bytes) of the ``mma_v2`` kernels (``ampere/``) with the tile their
-    launches pick for ``arch`` (``launch.choose_tile``, ``decode_launch.choose_decode_tile``): sparse prefill at
-    d_qk 576 and 512, sparse decoding over V3.2 FP8 (split, with lengths and sinks; fp8 conversions as ``arch``
-    has them) and dense decoding at d_qk 576 (causal, split, with sinks). The expected bytes are the launch's own estimate, which must match what the compiler
-    allocated."""
+    """(label, report, expected shared memory, spill budget in bytes) of the ``mma_v2`` kernels (``ampere/``)
+    with the tile their launches pick for ``arch`` (``launch.choose_tile``, ``decode_launch.choose_decode_tile``):
+    sparse prefill at d_qk 576 and 512, sparse decoding over V3.2 FP8 (split, with lengths and sinks; fp8
+    conversions as ``arch`` has them) and dense decoding at d_qk 576 (causal, split, with sinks). The expected
+    bytes are the launch's own estimate, which must match what the compiler allocated."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from .ampere.decode import sparse_decode_mma_v2_kernel
     from .ampere.dense import dense_decode_mma_v2_kernel
