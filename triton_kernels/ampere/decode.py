@@ -138,7 +138,8 @@ def _decode_step(j, q_smem, qr_smem, k_now, k_next, r_now, r_next, p_smem, kv_pt
         codes, scales = _load_codes(kv_ptr, slots_a, kv_sb, kv_sr, page, BLOCK_N)
         barrier()  # the latent tile is written
     m_run, m_use, l_part, acc = attend_block(q_smem, qr_smem, k_now, r_now, p_smem, valid, scale_log2, m_run,
-                                             m_use, l_part, acc, 576, K_STEP, False)
+                                             m_use, l_part, acc, 576, K_STEP,
+                                             ONE_BARRIER_MAX=False)
     if LATENT_TILES == 2:
         # One store of the whole block: Triton 3.6's barrier pass takes stores to slices of one tile for
         # overlapping writes and puts a barrier between them (NOTES.md, run 126).

@@ -281,6 +281,6 @@ def attend_blocks(q_smem, qr_smem, k_smem, kr_smem, p_smem, j0, j1, kv_ptr, src,
         stage = i % NUM_STAGES
         m_run, m_use, l_part, acc = attend_block(q_smem, qr_smem, k_smem.index(stage), kr_smem.index(stage),
                                                  p_smem, valid, scale_log2, m_run, m_use, l_part, acc, D_QK, K_STEP,
-                                                 True)
+                                                 ONE_BARRIER_MAX=True)
     async_copy.wait_group(0)
     return m_run, m_use, row_sums(l_part), acc
