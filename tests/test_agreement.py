@@ -463,11 +463,12 @@ def test_both_lazy_rescale_variants(backend, skip_scale, tol_scale, device):
         compare_outputs("dense_decode", got, ref, scale=tol_scale)
 
 
-@pytest.mark.parametrize("stages", (1, 3), ids=("indices-ahead", "pipelined"))
+@pytest.mark.parametrize("stages", (1, 3, 6), ids=("unpipelined", "pipelined-3", "pipelined-6"))
 def test_both_index_fetch_paths(backend, stages, tol_scale, device):
-    """Unpipelined sparse loops (one stage) ask for a block's indices one block ahead, pipelined ones let the
-    compiler do it: both over topk tails, topk_length, leading -1 padding and a key range crossing into the
-    extra cache (the interpreter and NPUs only ever ship one stage)."""
+    """Sparse loops of one stage, and quantized caches' loops of fewer than 5, ask for a block's indices one
+    block ahead; the others (bf16 at 3 stages, every cache at 6) let the compiler do it: both over topk tails,
+    topk_length, leading -1 padding and a key range crossing into the extra cache (the interpreter and NPUs only
+    ever ship one stage)."""
     if backend != "triton":
         pytest.skip("tile configurations belong to the Triton tier")
     from anymla.triton_kernels import tuning

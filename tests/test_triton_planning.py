@@ -625,6 +625,8 @@ _CHANGED_AFTER_THE_TABLE = {
     **{("rocm", "dense", "bf16", rows): (16, 16, 4, 2, T) for rows in (16, 32)},  # spilled on gfx942
     **{("cuda_small_smem", "sparse", "MODEL1_FP8", rows): (16, 32, 8, 1, F) for rows in (16, 32, 128)},  # 181 KB
     ("cuda", "sparse", "MODEL1_FP8", 128): (64, 16, 8, 1, F),  # 192 KB on sm_80's 163
+    # 3 stages with the indices asked for by hand: the gathered codes travel while the previous block is attended
+    **{(kind, "sparse", "quantized", 128): (64, 64, 8, 3, F) for kind in ("cuda_sm90", "cuda_sm100")},
 }
 
 

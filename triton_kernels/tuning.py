@@ -168,6 +168,9 @@ TILES: dict[tuple[str, str, str, str], TileRow] = {
     ("cuda_sm120", "sparse", ANY, "MODEL1_FP8"): TileRow(_SMALL_SMEM_MODEL1, _SMALL_SMEM_MODEL1_WHY),
     ("cuda_sm120", "dense", ANY, ANY): TileRow(_SMALL_SMEM_DENSE, _SMALL_SMEM.format(arch="120") + _SM120_SPILLS),
 
+    ("cuda", "sparse", "many", "quantized"): TileRow(
+        TileConfig(64, 64, 8, 1, False), "compile_report --arch 80 --shipped: DEFAULT's 3-stage tile needs 223-264 KB "
+                                         "of the 163; one stage fits (106-164 KB); not measured"),
     ("cuda", "sparse", "many", "MODEL1_FP8"): TileRow(
         TileConfig(64, 16, 8, 1, False), "compile_report --arch 80 --shipped: 98 KB, 40 B spilled; DEFAULT's 64-key "
                                          "tile needs 192 KB of the 163 (8.5 KB spilled), the 32-key one the launch "
@@ -181,8 +184,13 @@ TILES: dict[tuple[str, str, str, str], TileRow] = {
         TileConfig(64, 64, 8, 3, False), "H200 sweep, 2026-11-29 (sparse_mla/NOTES.md): per-row lazy rescale beats "
                                          "the block-wide branch by 19-27 %; bf16 best with 3 stages"),
     (DEFAULT, "sparse", "many", "quantized"): TileRow(
-        TileConfig(64, 64, 8, 1, False), "H200 sweep, 2026-11-29: quantized caches do best without prefetch (the "
-                                         "dequantized tile already fills shared memory)"),
+        TileConfig(64, 64, 8, 3, False), "EXPERIMENT: 3 stages, the indices asked for by hand a block ahead, so "
+                                         "the gathered codes travel while the previous block is attended "
+                                         "(compile_report --arch 90: V3.2 231 KB, 68 B spilled, 2 groups in "
+                                         "flight; the 1-stage tile spilled 488 B)"),
+    (DEFAULT, "sparse", "many", "MODEL1_FP8"): TileRow(
+        TileConfig(64, 64, 8, 1, False), "one stage, as every quantized cache before (H200 sweep, 2026-11-29); "
+                                         "MODEL1's 3-stage tile needs 320 KB (compile_report --arch 90)"),
     (DEFAULT, "sparse", "few", "bf16"): TileRow(
         TileConfig(32, 64, 4, 2, False), "H200 sweep run 13: bf16 prefill at 16 heads best of four tiles with "
                                          "64-key blocks and 2 stages (4.08 ms)"),

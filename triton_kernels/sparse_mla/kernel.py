@@ -27,12 +27,17 @@ def _attend_source(q, qr, idx_row_ptr, n_keys, blk_begin, blk_end, kv_ptr, strid
                    NATIVE_FP8: tl.constexpr, PORTABLE: tl.constexpr, INTERPRET: tl.constexpr,
                    NUM_STAGES: tl.constexpr):
     """Attend to key blocks ``[blk_begin, blk_end)`` of one index list into one paged cache."""
-    if NUM_STAGES == 1:
+    # A block's indices are asked for one block ahead by hand: unpipelined (1 stage), a block would wait for its
+    # indices and then for its rows, two memory round trips; and with 2-4 stages the pipeliner, left to load the
+    # indices itself, commits them after the gathers and then waits for every copy in flight, the rows it has
+    # just asked for included (compile_report's "prefetch" 0), so a quantized cache's gathered codes overlap
+    # nothing. From 5 stages on the pipeliner keeps gathers ahead itself; bf16 tiles at 3 stages would need a
+    # fourth tile of rows (more shared memory than sm_90 has) to keep one ahead.
+    HAND_INDICES: tl.constexpr = NUM_STAGES == 1 or (FMT != 0 and NUM_STAGES < 5)
+    if HAND_INDICES:
         idx_next = _block_indices(idx_row_ptr, blk_begin, n_keys, BLOCK_N)
     for j in tl.range(blk_begin, blk_end, num_stages=NUM_STAGES):
-        if NUM_STAGES == 1:
-            # Unpipelined, a block would wait for its indices and then for its rows: two memory round trips.
-            # Its indices are asked for one block ahead instead. (With stages, the pipeliner does this.)
+        if HAND_INDICES:
             idx = idx_next
             idx_next = _block_indices(idx_row_ptr, j + 1, n_keys, BLOCK_N)
         else:
