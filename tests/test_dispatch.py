@@ -544,8 +544,9 @@ def test_a_peer_measured_faster_is_chosen_and_explain_says_why(fresh_dispatch, m
 
 def test_flashmla_peer_measured_regimes(monkeypatch):
     """The regimes where FlashMLA v1.0.0 beat the Triton tier on sm_90: sparse prefill above 32 heads, sparse
-    decoding above 32 heads of V3.2 caches and above 64 of MODEL1 caches, each only for calls large enough to be
-    GPU-bound (below, anymla's compiled call path is the faster eagerly); nothing on other GPUs, formats or ops."""
+    decoding above 32 heads of V3.2 caches and above 64 of MODEL1 caches, dense decoding above 16 query rows a kv
+    head, each only for calls large enough to be GPU-bound (below, anymla's compiled call path is the faster
+    eagerly); nothing on other GPUs, formats or ops."""
     from types import SimpleNamespace
     from anymla.backends import flashmla_peer
     from anymla.kvcache import KVCacheFormat as F
@@ -575,10 +576,11 @@ def test_flashmla_peer_measured_regimes(monkeypatch):
     assert not faster("sparse_decode", (128, 2, 128, 512), F.MODEL1_FP8, topk=16, extra_topk=16), \
         "a host-bound call, the extra cache's keys counted: anymla's own"
     assert not faster("sparse_decode", (128, 1, 64, 512), F.V41_FP8)
-    # dense: FlashMLA at 128 query rows a kv head and more, where the call is GPU-bound
+    # dense: FlashMLA above 16 query rows a kv head, where the call is GPU-bound
     assert faster("dense_decode", (128, 2, 128, 576)) and faster("dense_decode", (64, 1, 128, 576), s_k=4096)
-    assert not faster("dense_decode", (128, 1, 32, 576)) and not faster("dense_decode", (128, 1, 16, 576))
-    assert not faster("dense_decode", (128, 1, 128, 576), h_kv=2), "64 rows a kv head"
+    assert faster("dense_decode", (128, 1, 32, 576)) and not faster("dense_decode", (128, 1, 16, 576))
+    assert faster("dense_decode", (128, 1, 128, 576), h_kv=2), "64 rows a kv head"
+    assert not faster("dense_decode", (8, 1, 32, 576), s_k=4096), "b8 h32 s_k 4096: host-bound, anymla's own"
     assert not faster("dense_decode", (1, 1, 128, 576), s_k=32768), "b1 h128 s_k 32768: host-bound, anymla's own"
     assert not faster("sparse_prefill", (4096, 128, 576), device=torch.device("cpu"))
     monkeypatch.setattr(flashmla_peer, "_arch", lambda device: 10)

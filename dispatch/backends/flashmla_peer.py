@@ -98,14 +98,14 @@ def _arch(device: torch.device) -> int:
 
 # Regimes where FlashMLA v1.0.0 on sm_90 was measured faster than anymla's Triton tier (torch 2.11, Triton 3.6, GPU
 # time, both in the same run, heads padded to 64 for FlashMLA as serving engines do; H200: bench/results/h200/
-# run54_final, run59_fp16_keys, run62_bench, run91_bench and run122_dequant_warpgroup; H100: bench/results/h100/
-# run132_record): where this says nothing, the Triton tier was the faster (sparse prefill at 32 heads or fewer,
-# H100 2026-12-07: h16 d576 1736 vs 2174 µs, h32 d512 1801 vs 2095, h32 d576 2233 vs 2292; sparse decoding at 32
-# heads or fewer: V3.2 b128 h8 / h16 / h32 99.1 / 101 / 115 vs 132 / 134 / 137 µs, MODEL1 h16 114 vs 172 (H100,
-# 2026-12-07), and MODEL1 at 64 heads: FlashMLA's CONFIG1 97.5 vs 101 (H100, 2026-12-07), 94.3 vs 95.1 (H200,
-# 2026-12-06); dense decoding of fewer than 128 query rows a kv head: b128 h16 304 vs 315, b128 h32 328 vs 316, and
-# b1 h128 39.6 vs 43.6, below the GPU-bound size). Each entry: (the most query heads, or for dense decoding query
-# rows a kv head, anymla keeps, for sparse decoding by cache format; why).
+# run54_final, run59_fp16_keys, run62_bench, run91_bench, run122_dequant_warpgroup and run136_record; H100:
+# bench/results/h100/run132_record): where this says nothing, the Triton tier was the faster (sparse prefill at 32
+# heads or fewer, H200 2026-12-07: h16 d576 1676 vs 2061 µs, h32 d512 1795 vs 2046, and h32 d576 a tie, 2241 vs
+# 2197 on the H200, 2233 vs 2292 on an H100; sparse decoding at 32 heads or fewer: V3.2 b128 h8 / h16 / h32 84.5 /
+# 88.8 / 112 vs 128 / 130 / 132 µs, MODEL1 h16 102 vs 167 (H200, 2026-12-07), and MODEL1 at 64 heads: FlashMLA's
+# CONFIG1 92.5 vs 95.5 (H200, 2026-12-07); dense decoding of 16 query rows a kv head: b128 h16 304 vs 315, and b1
+# h128 39.6 vs 43.6, below the GPU-bound size). Each entry: (the most query heads, or for dense decoding query rows
+# a kv head, anymla keeps, for sparse decoding by cache format; why).
 _FASTER_ON_SM90 = {
     "sparse_prefill": (32, "FlashMLA v1.0.0 measured faster on sm_90 above 32 heads a token (H200, 2026-12-01, "
                            "same run: h64 d512 1941 vs 2544 µs, h128 d576 4068 vs 5704)"),
@@ -113,10 +113,11 @@ _FASTER_ON_SM90 = {
                       "FlashMLA v1.0.0 measured faster on sm_90 above 32 heads a token of a V32_FP8 cache and above "
                       "64 of a MODEL1_FP8 cache (H200, 2026-12-01, same run: V3.2 b64 h64 80.0 vs 93.1 µs, b128 s_q 2 "
                       "h128 369 vs 503; H100, 2026-12-07, same run: MODEL1 h128 with an extra cache 213 vs 263)"),
-    "dense_decode": (127, "FlashMLA v1.0.0 measured faster on sm_90 for dense decoding of at least 128 query rows "
-                          "a kv head (H200, each pair from one run: b128 s_q 2 h128 s_k 8192 843 vs 1085 µs and 891 vs "
-                          "1059 on 2026-12-02, 900 vs 1123 on 2026-12-01; b64 h128 s_k 4096 121 vs 143 on "
-                          "2026-12-01)"),
+    "dense_decode": (16, "FlashMLA v1.0.0 measured faster on sm_90 for dense decoding of more than 16 query rows a "
+                         "kv head (each pair from one run: b128 h32 s_k 8192 310 vs 322 µs on an H200 and 428 vs 437 "
+                         "on an H100, 2026-12-07, 316 vs 328 on an H200 before; b128 s_q 2 h128 843 vs 1085 and 891 "
+                         "vs 1059 on 2026-12-02, 900 vs 1123 on 2026-12-01; b64 h128 s_k 4096 121 vs 143 on "
+                         "2026-12-01; between 32 and 128 rows not measured)"),
 }
 
 
