@@ -90,8 +90,8 @@ SWEEP.update({"tp-prefill-h16-d576": _FEW_HEAD_PREFILL,
 _P = lambda bh, bn, w, st, skip=False: Config(TileConfig(bh, bn, w, st, skip))  # noqa: E731
 PORTABLE_SWEEP = {
     "prefill-v32-h128": [Config(), _P(64, 32, 8, 3), _P(32, 64, 4, 2), _P(16, 64, 4, 2)],
-    # 2 and 3 stages of 64-key blocks: 32 / 0 B spilled on sm_90 against the shipped one stage's 488 (Triton 3.7.1)
-    "sdecode-v32-b128-sq2-h128": [Config(), _P(64, 64, 8, 2), _P(64, 64, 8, 3), _P(64, 32, 8, 1), _P(32, 32, 4, 6),
+    # the shipped 3-stage tile, the one-stage tile it replaced in run 136, and 2 stages
+    "sdecode-v32-b128-sq2-h128": [Config(), _P(64, 64, 8, 1), _P(64, 64, 8, 2), _P(64, 32, 8, 1), _P(32, 32, 4, 6),
                                   _P(16, 32, 4, 6)],
     "ddecode-b128-sq2-h128-sk8192": [Config(), _P(64, 32, 8, 3), _P(32, 32, 4, 6, True)],
     "ddecode-b128-h16-sk8192": [Config(), _P(16, 32, 4, 8, True), _P(16, 64, 4, 4, True)],
