@@ -27,12 +27,13 @@ def _attend_source(q, qr, idx_row_ptr, n_keys, blk_begin, blk_end, kv_ptr, strid
                    NATIVE_FP8: tl.constexpr, PORTABLE: tl.constexpr, INTERPRET: tl.constexpr,
                    NUM_STAGES: tl.constexpr):
     """Attend to key blocks ``[blk_begin, blk_end)`` of one index list into one paged cache."""
-    # A block's indices are asked for one block ahead by hand: unpipelined (1 stage), a block would wait for its
-    # indices and then for its rows, two memory round trips; and with 2-4 stages the pipeliner, left to load the
-    # indices itself, commits them after the gathers and then waits for every copy in flight, the rows it has
-    # just asked for included (compile_report's "prefetch" 0), so a quantized cache's gathered codes overlap
-    # nothing. From 5 stages on the pipeliner keeps gathers ahead itself; bf16 tiles at 3 stages would need a
-    # fourth tile of rows (more shared memory than sm_90 has) to keep one ahead.
+    # A block's indices are asked for one block ahead by hand. Unpipelined (1 stage), a block would otherwise wait
+    # for its indices and then for its rows: two memory round trips. Pipelined below 5 stages, the compiler's own
+    # index loads are committed after the gathers and needed within the iteration, so each iteration waits for
+    # every copy in flight (compile_report's "prefetch" 0); with the indices by hand, a quantized cache's 3-stage
+    # loop keeps 2-3 groups of gathered codes in flight across a block (run 136: -13 to -15 % for V3.2). A bf16
+    # tile would need a fourth stage of rows for that (295 KB at d 576), and from 5 stages on the pipeliner keeps
+    # gathers ahead itself: both keep the compiler's index loads.
     HAND_INDICES: tl.constexpr = NUM_STAGES == 1 or (FMT != 0 and NUM_STAGES < 5)
     if HAND_INDICES:
         idx_next = _block_indices(idx_row_ptr, blk_begin, n_keys, BLOCK_N)
