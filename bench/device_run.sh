@@ -14,8 +14,8 @@
 #             $SWEEP_ARGS: more options, e.g. --portable, with DISABLE_MMA_V3=1 for the mma.sync stand-in)
 #   bench     python -m anymla.bench ($BENCH_ARGS, default --suite canonical --suite tp), FlashMLA included
 #   standins  issue 13's table: python -m anymla.bench --suite canonical --backends triton on the shipped path,
-#             --portable, --mma-sync and --mma-sync with ANYMLA_MMA_V2=0, then python -m anymla.bench.standins
-#             over the four (standins.md)
+#             --portable, --mma-sync and --mma-sync with ANYMLA_MMA_V2=0, each in a fresh Triton cache, then
+#             python -m anymla.bench.standins over the four (standins.md)
 #   layer     python -m anymla.bench.layer ($LAYER_ARGS, e.g. --writers-only --writer-tiles 4x1,8x2)
 #   ncu       Nsight Compute on one kernel launch of each of $NCU_CASES (cases of $NCU_SUITE, default tp; kernels
 #             matching $NCU_KERNEL; $NCU_ARGS passed on to bench.profile_case, e.g. --portable): the report, its
@@ -82,8 +82,9 @@ for part in "${parts[@]}"; do
     standins)
       for run in shipped: portable:--portable mma_sync:--mma-sync mma_sync_triton:--mma-sync; do
         name=${run%%:*}
+        # each run in a Triton cache of its own: run 135's two unexplained cells came from four runs sharing one
         # shellcheck disable=SC2046
-        env $([[ $name == mma_sync_triton ]] && echo ANYMLA_MMA_V2=0) timeout "${STANDINS_TIMEOUT:-400}" \
+        env $([[ $name == mma_sync_triton ]] && echo ANYMLA_MMA_V2=0) TRITON_CACHE_DIR="$(mktemp -d)" timeout "${STANDINS_TIMEOUT:-400}" \
           python3 -m anymla.bench --suite canonical --backends triton ${run#*:} --out "$OUT/$name" > "$OUT/$name.log" 2>&1
         echo "$name: $(tail -1 "$OUT/$name.log")"
       done
