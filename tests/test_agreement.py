@@ -44,6 +44,8 @@ else:
 PREFILL += [
     dict(d_qk=576, h_q=16, s_kv=200, topk=64, s_q=3, shuffle_invalid=True),  # leading invalid padding, TP16
     dict(d_qk=512, h_q=8, s_kv=64, topk=96, s_q=2, sink=True),  # TP8 heads, topk > s_kv, tail block
+    dict(d_qk=512, h_q=4, s_kv=150, topk=64, s_q=2, topk_length=True),  # V4's 64 heads at TP16
+    dict(d_qk=576, h_q=96, s_kv=150, topk=64, s_q=2, sink=True),  # an odd count: 64-head programs, one half empty
     dict(d_qk=512, h_q=32, s_kv=100, topk=64, s_q=2, h_kv=2),  # h_kv > 1 (beyond FlashMLA)
     dict(d_qk=576, h_q=64, s_kv=32, topk=2048 if ON_GPU else 512, s_q=1),  # s_kv << topk
     dict(d_qk=512, h_q=64, s_kv=300, topk=128, s_q=4, all_invalid_rows=True, topk_length=True),
@@ -129,6 +131,9 @@ def _decode_cases():
              extra=dict(fmt=F.V41_FP8, page=5, s_k=150, topk=100)),  # partial extra block (not a multiple of 64)
         dict(fmt=F.V32_FP8, h_q=16, s_k=300, topk=64, page=256, b=3, s_q=2, shuffle_invalid=True),  # leading -1
         dict(fmt=F.V41_FP8, h_q=8, s_k=200, topk=64, page=576, b=2, s_q=1, sink=True),  # TP8
+        dict(fmt=F.V41_FP8, h_q=4, s_k=200, topk=64, page=64, b=2, s_q=2, sink=True,
+             extra=dict(fmt=F.V41_FP4, page=64, s_k=100, topk=64)),  # V4's 64 heads at TP16
+        dict(fmt=F.V32_FP8, h_q=96, s_k=200, topk=64, page=64, b=2, s_q=1, topk_length=True),  # an odd count
         dict(fmt=F.V32_FP8, h_q=64, s_k=300, topk=64, page=16, b=4, s_q=1, zero_len_frac=0.5, sink=True),
         dict(fmt=F.V41_FP8, h_q=64, s_k=300, topk=64, page=16, b=2, s_q=3, all_invalid=True, sink=True),
         dict(fmt=F.V32_FP8, h_q=64, s_k=100, topk=64, page=16, b=2, s_q=1, block_pad=3),  # non-packed blocks
