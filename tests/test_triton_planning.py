@@ -672,6 +672,25 @@ def test_sm120_gets_the_99_kb_tiles_and_its_own_device_kind(monkeypatch):
     assert "sm_120" in runtime.verification(gpu)[0] and "never run" in runtime.verification(gpu)[0]
 
 
+
+def test_the_mma_sync_stand_in_takes_the_tiles_of_the_gpus_it_stands_in_for(monkeypatch):
+    """On sm_90 with DISABLE_MMA_V3 the portable kernels take the ``cuda`` kind's tiles (A100-class), not
+    Hopper's, whose 3-stage quantized tile Triton 3.6 spills by kilobytes once tl.dot is mma.sync; every other
+    kind, and sm_90 with wgmma, keeps its own."""
+    from anymla.triton_kernels import runtime
+    from anymla.triton_kernels.tuning import sparse_config
+    gpu = torch.device("cuda", 0)
+    for kind in ("cuda_sm90", "cuda_sm100", "cuda_sm120", "cuda_small_smem", "cuda", "rocm"):
+        monkeypatch.setattr(runtime, "device_kind", lambda device, k=kind: k)
+        for flag, stand_in in (("", False), ("1", True), ("on", True)):
+            monkeypatch.setenv("DISABLE_MMA_V3", flag)
+            assert runtime.tile_kind(gpu) == ("cuda" if stand_in and kind == "cuda_sm90" else kind), (kind, flag)
+    monkeypatch.setattr(runtime, "device_kind", lambda device: "cuda_sm90")
+    monkeypatch.setenv("DISABLE_MMA_V3", "1")
+    assert sparse_config(runtime.tile_kind(gpu), 128, True, "V32_FP8").num_stages == 1
+    monkeypatch.delenv("DISABLE_MMA_V3")
+    assert sparse_config(runtime.tile_kind(gpu), 128, True, "V32_FP8").num_stages == 3
+
 def _queries():
     """Every (kind, op, rows, quantized, format) a launch can ask the table, a few rows per regime."""
     from anymla.triton_kernels import tuning

@@ -90,6 +90,15 @@ def device_kind(device: torch.device) -> str:
     return "cuda_small_smem" if max_shared_memory(device) < _SMALL_SHARED_MEMORY else "cuda"
 
 
+def tile_kind(device: torch.device) -> str:
+    """The device kind whose tiles the portable kernels take: ``device_kind``, but on sm_90 with
+    ``DISABLE_MMA_V3`` (the mma.sync stand-in) ``cuda``, the large-shared-memory GPUs it stands in for. Hopper's
+    own tiles assume wgmma: with mma.sync, Triton 3.6 compiles its 3-stage quantized tile at 128 registers and
+    4.8 KB of spills a thread, 12x slower than one stage (run 137, sparse_mla/NOTES.md)."""
+    kind = device_kind(device)
+    return "cuda" if kind == "cuda_sm90" and mma_v3_disabled() else kind
+
+
 @functools.lru_cache(maxsize=None)
 def rocm() -> bool:
     """torch built for ROCm: AMD GPUs appear as ``cuda`` devices, and their capability numbers are not

@@ -93,7 +93,7 @@ class DenseDecodePlan:
         b, s_q, h_q, _ = p.q.shape
         h_kv = p.k_cache.shape[2]
         rows = s_q * (h_q // h_kv)
-        tile = dense_config(runtime.device_kind(p.device), rows)
+        tile = dense_config(runtime.tile_kind(p.device), rows)
         reasons = hopper.dense_decode_reasons(p, tile)
         self.hopper = hopper.use(reasons)
         self.mma_v2, mma_device, mma_call = mma_v2.decide(self.hopper, p.device, lambda: mma_v2.dense_reasons(p))

@@ -140,7 +140,7 @@ class SparsePrefillPlan:
         q, kv, indices = (f(t) for f, t in zip(self.as_read, (p.q, p.kv, p.indices)))
         s_q, h_q, d = q.shape
         h_kv = kv.shape[1]
-        tile = sparse_config(runtime.device_kind(q.device), h_q // h_kv, False)
+        tile = sparse_config(runtime.tile_kind(q.device), h_q // h_kv, False)
         reasons = hopper.sparse_prefill_reasons(q, kv, indices, tile)
         self.hopper = hopper.use(reasons)
         self.mma_v2, mma_device, mma_call = mma_v2.decide(self.hopper, q.device,
@@ -210,7 +210,7 @@ class SparseDecodePlan:
         self.shape = (b, s_q, h_q, d)
         self.tokens = tokens = b * s_q
         self.fmt, self.x_fmt = fmt, x_fmt = p.fmt, p.extra_fmt
-        tile = sparse_config(runtime.device_kind(p.device), h_q, fmt.is_quantized, fmt.name)
+        tile = sparse_config(runtime.tile_kind(p.device), h_q, fmt.is_quantized, fmt.name)
         cores = runtime.num_cores(p.device)
         # bf16 caches: the few-head form of the Hopper decoding kernel gathers their rows; at more heads the
         # Hopper prefill kernel serves them (the decoding kernel's 64-head form dequantizes)
