@@ -562,3 +562,29 @@ def test_ab_times_each_prepared_version_in_its_own_process(tmp_path):
     assert [r["label"] for r in rows] == ["old", "new", "old (again)"], rows
     assert all(r["agree"] == "ok" and r["us"] > 0 for r in rows), rows
     assert "| sparse_decode:b=1,h_q=16,s_k=64,topk=32 |" in ab.table(rows)
+
+
+def _repository():
+    """The git checkout anymla's sources are in, or a skip: an installed copy has no history."""
+    from anymla.bench import machine
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(machine.__file__)))
+    if subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("anymla is not run from a git checkout")
+    return repo
+
+
+def test_a_result_s_source_digest_leads_back_to_its_commit():
+    """A run of a clean checkout stamps its results with the digest of HEAD, and provenance finds HEAD for it;
+    a digest of no commit is reported as such (exit status 1)."""
+    from anymla.bench import machine, provenance
+    repo = _repository()
+    folders = list(provenance._FOLDERS.values())
+    if subprocess.run(["git", "-C", repo, "status", "--porcelain", "--", *folders], capture_output=True,
+                      text=True).stdout.strip():
+        pytest.skip("the package folders have uncommitted changes: their digest is no commit's")
+    head = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    digest = provenance.revision_digest("HEAD", repo)
+    assert digest == machine.source_digest()
+    assert provenance.commits_with([digest, "0" * 12], repo, depth=1) == {digest: [head[:12]], "0" * 12: []}
+    assert provenance.main([digest, "--repo", repo, "--depth", "1"]) == 0
+    assert provenance.main(["0" * 12, "--repo", repo, "--depth", "1"]) == 1
