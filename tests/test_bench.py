@@ -568,8 +568,12 @@ def _repository():
     """The git checkout anymla's sources are in, or a skip: an installed copy has no history."""
     from anymla.bench import machine
     repo = os.path.dirname(os.path.dirname(os.path.abspath(machine.__file__)))
-    if subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True).returncode:
-        pytest.skip("anymla is not run from a git checkout")
+    try:
+        in_git = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True).returncode == 0
+    except FileNotFoundError:
+        in_git = False
+    if not in_git:
+        pytest.skip("anymla is not run from a git checkout (or git is missing)")
     return repo
 
 
