@@ -33,6 +33,14 @@ STAND_INS = {"portable": {"ANYMLA_HOPPER_KERNELS": "0"},
 _ORDER = "ORDER"  # the versions' labels, one a line, in the order given to prepare
 
 
+def extract_revision(rev: str, dest: str, repo: str = ".") -> None:
+    """The package folders of git revision ``rev`` of ``repo`` into ``dest`` (committed results left out)."""
+    archive = subprocess.run(["git", "-C", repo, "archive", rev, *PACKAGE_DIRS], capture_output=True)
+    if archive.returncode:
+        raise SystemExit(f"versions: git archive {rev}: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", dest, "--exclude=bench/results"], input=archive.stdout, check=True)
+
+
 def prepare(out: str, versions: list[str], repo: str = ".") -> list[str]:
     """Each ``LABEL=REV`` (or ``REV``, labelled by itself) of ``versions`` as ``out/LABEL``: the package folders
     of git revision REV, or of the working tree for ``WORKTREE``. Returns the labels."""
@@ -50,10 +58,7 @@ def prepare(out: str, versions: list[str], repo: str = ".") -> list[str]:
                 shutil.copytree(os.path.join(repo, d), os.path.join(dest, d),
                                 ignore=shutil.ignore_patterns("__pycache__", "results"))
         else:
-            archive = subprocess.run(["git", "-C", repo, "archive", rev, *PACKAGE_DIRS], capture_output=True)
-            if archive.returncode:
-                raise SystemExit(f"versions: git archive {rev}: {archive.stderr.decode().strip()}")
-            subprocess.run(["tar", "-x", "-C", dest, "--exclude=bench/results"], input=archive.stdout, check=True)
+            extract_revision(rev, dest, repo)
         labels.append(label)
     with open(os.path.join(out, _ORDER), "w") as f:
         f.write("\n".join(labels) + "\n")

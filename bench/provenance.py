@@ -17,19 +17,18 @@ import subprocess
 import sys
 import tempfile
 
+from .ab import PACKAGE_DIRS, extract_revision
 from .machine import SUBPACKAGES, digest_of
 
 # The repository's folder of each root of ``source_digest`` (pyproject.toml's package-dir)
 _FOLDERS = {"": "dispatch", **{name: name for name in SUBPACKAGES}}
+assert set(_FOLDERS.values()) == set(PACKAGE_DIRS)
 
 
 def revision_digest(rev: str, repo: str = ".") -> str:
     """``source_digest`` as a run of git revision ``rev`` of ``repo`` reports it."""
     with tempfile.TemporaryDirectory() as tree:
-        archive = subprocess.run(["git", "-C", repo, "archive", rev, *_FOLDERS.values()], capture_output=True)
-        if archive.returncode:
-            raise SystemExit(f"rev: git archive {rev}: {archive.stderr.decode().strip()}")
-        subprocess.run(["tar", "-x", "-C", tree], input=archive.stdout, check=True)
+        extract_revision(rev, tree, repo)
         return digest_of({name: os.path.join(tree, folder) for name, folder in _FOLDERS.items()})[:12]
 
 

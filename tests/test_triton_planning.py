@@ -672,7 +672,6 @@ def test_sm120_gets_the_99_kb_tiles_and_its_own_device_kind(monkeypatch):
     assert "sm_120" in runtime.verification(gpu)[0] and "never run" in runtime.verification(gpu)[0]
 
 
-
 def test_the_mma_sync_stand_in_takes_the_tiles_of_the_gpus_it_stands_in_for(monkeypatch):
     """On sm_90 with DISABLE_MMA_V3 the portable kernels take the ``cuda`` kind's tiles (A100-class), not
     Hopper's, whose 3-stage quantized tile Triton 3.6 spills by kilobytes once tl.dot is mma.sync; every other
@@ -690,6 +689,7 @@ def test_the_mma_sync_stand_in_takes_the_tiles_of_the_gpus_it_stands_in_for(monk
     assert sparse_config(runtime.tile_kind(gpu), 128, True, "V32_FP8").num_stages == 1
     monkeypatch.delenv("DISABLE_MMA_V3")
     assert sparse_config(runtime.tile_kind(gpu), 128, True, "V32_FP8").num_stages == 3
+
 
 def _queries():
     """Every (kind, op, rows, quantized, format) a launch can ask the table, a few rows per regime."""
