@@ -112,8 +112,9 @@ def _decode_cases():
     if ON_GPU:
         grid = [dict(fmt=fmt, h_q=h, s_k=s_k, topk=k, page=page, b=b, s_q=s_q, varlen=b != 74,
                      topk_length=fmt is not F.V32_FP8, sink=True)
-                # FlashMLA's grid has 64 and 128 heads; 8-32 are the tensor-parallel shares it refuses
-                for fmt in (F.V32_FP8, F.MODEL1_FP8, F.V41_FP8, F.BF16) for h in (8, 16, 32, 64, 128)
+                # FlashMLA's grid has 64 and 128 heads; 4-32 are the tensor-parallel shares it refuses, 40 and 96
+                # counts that are no multiple of a program's heads
+                for fmt in (F.V32_FP8, F.MODEL1_FP8, F.V41_FP8, F.BF16) for h in (4, 8, 16, 32, 40, 64, 96, 128)
                 for (s_k, k, page) in ((512, 64, 2), (512, 64, 64), (512, 64, 69), (1024, 576, 2), (1024, 576, 61),
                                        (2046, 2048, 2), (2046, 2048, 64), (2046, 2048, 576), (512, 64, 61),
                                        (650, 576, 53))
