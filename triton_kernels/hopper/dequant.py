@@ -145,11 +145,10 @@ def _e2m1(code):
 
 
 @gluon.jit
-def _store_dequantized(k_stage, codes, scales, FMT: gl.constexpr):
-    """``code * scale`` (in fp32, rounded once to 16 bits) into the stage's [rows, 512] latent tile (MODEL1:
-    with the rope values as columns [448, 512)), made visible to the matrix units. (No copy is in flight: the
-    ``wait_group`` keeps ptxas from moving the next block's loads above these stores, which spilled in the
-    few-head workers, 8-92 B a thread on Triton 3.6 without it.)"""
+def dequantized(codes, scales, FMT: gl.constexpr, dtype: gl.constexpr):
+    """A block's ``[rows, 512]`` latent values, ``code * scale`` in fp32 rounded once to ``dtype`` (MODEL1: with
+    the rope values as columns [448, 512)), from ``_load_codes``' codes and scales, in the layout they are
+    stored from (``tests/test_hopper_layouts.py`` counts that store's bank conflicts)."""
     if FMT == FMT_V32_FP8:
         s = scales
     elif FMT == FMT_V41_FP8:
@@ -163,14 +162,22 @@ def _store_dequantized(k_stage, codes, scales, FMT: gl.constexpr):
         # Tiles lie in registers, so the rope tile's select is decided when compiling: its conversions vanish.
         tiles_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, _codes_layout(FMT, gl.num_warps())))
         tiles = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=tiles_l), 0), 2)
-        values = (codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(s, 2)).to(k_stage.dtype)
+        values = (codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(s, 2)).to(dtype)
         values = gl.where(tiles == MODEL1_ROPE_TILE, rope, values)
     elif FMT == FMT_V41_FP4:
         # element 2i sits in the low nibble of byte i
         values = gl.join(_e2m1(codes & 0xF) * gl.expand_dims(s, 2), _e2m1(codes >> 4) * gl.expand_dims(s, 2))
     else:
         values = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(s, 2)
-    k_stage.store(gl.reshape(values.to(k_stage.dtype), [k_stage.shape[0], 512]))
+    return gl.reshape(values.to(dtype), [codes.shape[0], 512])
+
+
+@gluon.jit
+def _store_dequantized(k_stage, codes, scales, FMT: gl.constexpr):
+    """``dequantized`` into the stage's [rows, 512] latent tile, made visible to the matrix units. (No copy is
+    in flight: the ``wait_group`` keeps ptxas from moving the next block's loads above these stores, which
+    spilled in the few-head workers, 8-92 B a thread on Triton 3.6 without it.)"""
+    k_stage.store(dequantized(codes, scales, FMT, k_stage.dtype))
     async_copy.wait_group(0)
     fence_async_shared()
 
