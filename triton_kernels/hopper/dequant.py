@@ -148,7 +148,7 @@ def _e2m1(code):
 def dequantized(codes, scales, FMT: gl.constexpr, dtype: gl.constexpr):
     """A block's ``[rows, 512]`` latent values, ``code * scale`` in fp32 rounded once to ``dtype`` (MODEL1: with
     the rope values as columns [448, 512)), from ``_load_codes``' codes and scales, in the layout they are
-    stored from (``tests/test_hopper_layouts.py`` counts that store's bank conflicts)."""
+    stored from (``store_conflicts.py`` counts that store's bank conflicts)."""
     if FMT == FMT_V32_FP8:
         s = scales
     elif FMT == FMT_V41_FP8:
