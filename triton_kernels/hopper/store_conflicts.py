@@ -27,9 +27,7 @@ from ..common import FMT_MODEL1_FP8, FMT_V32_FP8, FMT_V41_FP4, FMT_V41_FP8
 from . import dequant
 from .launch import _shared_layout
 
-# format: (its code, scale tiles a row, code bytes a tile) as ``dequant._tiles``
-FORMATS = {"V32_FP8": (FMT_V32_FP8, 4, 128), "V41_FP8": (FMT_V41_FP8, 16, 32), "V41_FP4": (FMT_V41_FP4, 32, 8),
-           "MODEL1_FP8": (FMT_MODEL1_FP8, 8, 64)}
+FORMATS = {"V32_FP8": FMT_V32_FP8, "V41_FP8": FMT_V41_FP8, "V41_FP4": FMT_V41_FP4, "MODEL1_FP8": FMT_MODEL1_FP8}
 WORKER_WARPS = (4, 8)  # ``few_heads.fill_warps``; the 64-head kernel's dequantizing warpgroup is 4 warps
 ROWS = gl.constexpr(64)  # the Hopper kernels' key block
 
@@ -69,8 +67,9 @@ def _probe(out_ptr, FMT: gl.constexpr, TILES: gl.constexpr, TILE_BYTES: gl.const
 def conflicts(fmt: str, warps: int, conflicting: bool = False) -> dict:
     """``{store: bank conflicts}`` of the probe for format ``fmt`` (a ``FORMATS`` key) on ``warps`` warps,
     compiled in a Triton cache of its own (a cached kernel is not traced again, so it would print nothing)."""
-    code, tiles, tile_bytes = FORMATS[fmt]
-    consts = dict(FMT=code.value, TILES=tiles, TILE_BYTES=tile_bytes,
+    code = FORMATS[fmt].value
+    tiles, tile_bytes = dequant._tiles(code)[:2]
+    consts = dict(FMT=code, TILES=tiles, TILE_BYTES=tile_bytes,
                   STAGE=_shared_layout([ROWS.value, 512], torch.bfloat16),
                   ROPE_STAGE=_shared_layout([ROWS.value, 64], torch.bfloat16), CONFLICT=conflicting)
     printed = io.StringIO()
