@@ -40,7 +40,7 @@ def _conflicting(warps):
 
 
 @gluon.jit
-def _probe(out_ptr, FMT: gl.constexpr, TILES: gl.constexpr, TILE_BYTES: gl.constexpr, STAGE: gl.constexpr,
+def _probe(FMT: gl.constexpr, TILES: gl.constexpr, TILE_BYTES: gl.constexpr, STAGE: gl.constexpr,
            ROPE_STAGE: gl.constexpr, CONFLICT: gl.constexpr):
     layout: gl.constexpr = dequant._codes_layout(FMT, gl.num_warps())
     codes = gl.full([ROWS, TILES, TILE_BYTES], 0, gl.uint8, layout)
@@ -75,7 +75,7 @@ def conflicts(fmt: str, warps: int, conflicting: bool = False) -> dict:
     printed = io.StringIO()
     with tempfile.TemporaryDirectory() as cache, triton.knobs.cache.scope(), redirect_stdout(printed):
         triton.knobs.cache.dir = cache
-        triton.compile(GluonASTSource(_probe, {"out_ptr": "*i32", **{k: "constexpr" for k in consts}}, consts),
+        triton.compile(GluonASTSource(_probe, {k: "constexpr" for k in consts}, consts),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
     lines = printed.getvalue().splitlines()
     counts = [line.split(" bank conflicts:") for line in lines if "bank conflicts:" in line]
