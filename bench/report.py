@@ -193,7 +193,7 @@ def header_lines(info: RunInfo, ceilings: Ceilings) -> list[str]:
     if info.stand_in:
         what = "; ".join(STAND_INS[name] for name in info.stand_in.split("+"))
         lines.append(f"NOTE: stand-in run ({info.stand_in}), not the shipped path: {what}. The matmul ceiling is "
-                     "torch.mm's, which neither setting changes")
+                     "a plain Triton matmul compiled with the run's settings, torch.mm's rate named beside it")
     return lines
 
 
