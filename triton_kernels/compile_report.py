@@ -299,7 +299,7 @@ def hopper_reports() -> list:
     # and still beat the portable kernel on the H200 (sparse_mla/NOTES.md run 27). More is a regression. (A second
     # loop for a MODEL1 extra cache spilled ~200 B and cost CONFIG1 18 %: run 120; both caches now share one loop.)
     # The few-head kernel's FP4 workers hold a whole block's fp32 values at once: 1.0-1.5 KB spilled by 4-warp
-    # workers (32 heads), 80 / 260 B by the 8-warp ones of 8 / 16 heads (Triton 3.7.1). The 64-head kernel's
+    # workers (32 heads), 56 / 140 B by the 8-warp ones of 8 / 16 heads (Triton 3.7.1). The 64-head kernel's
     # dequantizing warpgroup spills 72 B over a MODEL1 + MODEL1 pair on Triton 3.7.1 (36 B on 3.6, where it
     # decodes CONFIG1 as fast as FlashMLA: run 122).
     budgets = {"hopper decode v41+fp4": 1024, "hopper decode model1+x": 128, "hopper few-head v41+fp4 h8": 256,

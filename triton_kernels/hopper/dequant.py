@@ -36,27 +36,45 @@ PREFETCH_ASM = gl.constexpr("{ .reg .pred p; setp.ge.s32 p, $2, 0; @p prefetch.g
 
 
 @gluon.constexpr_function
-def _codes_layout(fmt, warps):
-    """A block's codes as [rows, scale tiles, bytes a tile], 8 bytes a thread (8-byte loads), the rows spread
-    over the ``warps`` that dequantize. FP8: the 8 lanes of a store phase write one row's 64 bf16 values, a
-    whole 128-byte swizzle row (conflict-free). MODEL1: the tiles lie in registers, so which of them is the rope
-    tile is known when compiling."""
-    lanes = {FMT_V32_FP8.value: [4, 1, 8], FMT_V41_FP8.value: [4, 2, 4], FMT_V41_FP4.value: [4, 8, 1],
-             FMT_MODEL1_FP8.value: [4, 1, 8]}[fmt]
-    return gl.BlockedLayout([1, 1, 8], lanes, [warps, 1, 1], [2, 1, 0])
+def _row_lanes(fmt, warps, wide):
+    """Lanes of a warp over a block's rows in every layout of a format's loads (codes, L2 prefetches, rope), so
+    the slots pass between them without a conversion through shared memory: 8 where the loads are ``wide``
+    (``fill_stages``), else 4. FP4 takes 8 in 8-warp workers only: in 4-warp ones its 8-row layout spills past
+    the budget (``../sparse_mla/NOTES.md``, "16-byte code loads")."""
+    return 8 if wide and (fmt != FMT_V41_FP4.value or warps >= 8) else 4
 
 
 @gluon.constexpr_function
-def _lines_layout(warps):
+def _codes_layout(fmt, warps, wide):
+    """A block's codes as [rows, scale tiles, bytes a tile], ``_row_lanes`` rows a warp, the rows spread over
+    the ``warps`` that dequantize. At 8 rows a warp, 4 lanes take a row's 64 codes (FP8: 16 bytes a thread,
+    16-byte loads; FP4: its 8-byte scale tiles), so the 8 lanes of a 16-byte store phase write 64 bf16 values of
+    rows r and r + 1 each, whose 128-byte swizzle rows take disjoint 16-byte columns. At 4 rows a warp, 8 bytes a
+    thread: FP8, the 8 lanes of a phase write one row's 64 values, a whole swizzle row; FP4, 128 values of one
+    row (2-way conflicted). Conflict counts: ``tests/test_hopper_layouts.py``. MODEL1: the tiles lie in
+    registers, so which of them is the rope tile is known when compiling."""
+    rows = _row_lanes(fmt, warps, wide)
+    if fmt == FMT_V41_FP4.value:
+        return gl.BlockedLayout([1, 1, 8], [rows, 32 // rows, 1], [warps, 1, 1], [2, 1, 0])
+    tile_lanes = 2 if fmt == FMT_V41_FP8.value else 1  # V4.1's 32-byte tiles: two hold a row's 64 codes
+    return gl.BlockedLayout([1, 1, 2 * rows], [rows, tile_lanes, 32 // rows // tile_lanes], [warps, 1, 1], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _lines_layout(fmt, warps, wide):
     """L2 prefetches of a block's rows: [rows, 8] line addresses (a row of at most 656 bytes spans at most 7
     lines of 128 bytes: offsets 0, 128, ..., and its last byte)."""
-    return gl.BlockedLayout([1, 1], [4, 8], [warps, 1], [1, 0])
+    rows = _row_lanes(fmt, warps, wide)
+    return gl.BlockedLayout([1, 1], [rows, 32 // rows], [warps, 1], [1, 0])
 
 
 @gluon.constexpr_function
-def _rope_layout(warps):
-    """V3.2's rope tails [rows, 64] bf16, 16 bytes a thread (``partitions.ROWS_LAYOUT`` over ``warps``)."""
-    return gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
+def _rope_layout(warps, wide):
+    """V3.2's rope tails [rows, 64] bf16, rows spread as its codes' are: 8 rows a warp, 32 bytes a thread (a
+    store phase's 8 lanes write rows r and r + 1, disjoint 16-byte columns of their swizzle rows); 4 rows a warp,
+    16 bytes a thread (a phase's 8 lanes write one row)."""
+    rows = _row_lanes(FMT_V32_FP8.value, warps, wide)
+    return gl.BlockedLayout([1, 2 * rows], [rows, 32 // rows], [warps, 1], [1, 0])
 
 
 @gluon.constexpr_function
@@ -68,9 +86,9 @@ def _tiles(fmt):
 
 
 @gluon.constexpr_function
-def _slots_layout(fmt, warps):
+def _slots_layout(fmt, warps, wide):
     """A block's slots [rows], spread as the rows of its codes are."""
-    return gl.SliceLayout(1, gl.SliceLayout(2, _codes_layout(fmt, warps)))
+    return gl.SliceLayout(1, gl.SliceLayout(2, _codes_layout(fmt, warps, wide)))
 
 
 @gluon.jit
@@ -91,14 +109,14 @@ def _model1_row_bytes(slots, stride_block, page):
 
 
 @gluon.jit
-def _load_codes(kv_ptr, slots, stride_block, stride_row, page, FMT: gl.constexpr):
+def _load_codes(kv_ptr, slots, stride_block, stride_row, page, FMT: gl.constexpr, WIDE: gl.constexpr):
     """Issue the loads of a block's codes ``[rows, tiles, bytes]`` (uint8) and its scales ``[rows, tiles]``
     (fp32 for V3.2, their bytes otherwise; MODEL1: ``_load_model1``'s scale words and rope values); rows of
     slot -1 read nothing and come out as zeros."""
     if FMT == FMT_MODEL1_FP8:
-        codes, scales = _load_model1(kv_ptr, slots, stride_block, page)
+        codes, scales = _load_model1(kv_ptr, slots, stride_block, page, WIDE)
     else:
-        layout: gl.constexpr = _codes_layout(FMT, gl.num_warps())
+        layout: gl.constexpr = _codes_layout(FMT, gl.num_warps(), WIDE)
         n_tiles: gl.constexpr = _tiles(FMT)[0]
         tile_bytes: gl.constexpr = _tiles(FMT)[1]
         scales_at: gl.constexpr = _tiles(FMT)[2]
@@ -119,11 +137,11 @@ def _load_codes(kv_ptr, slots, stride_block, stride_row, page, FMT: gl.constexpr
 
 
 @gluon.jit
-def _load_model1(kv_ptr, slots, stride_block, page):
+def _load_model1(kv_ptr, slots, stride_block, page, WIDE: gl.constexpr):
     """MODEL1: a block's codes ``[rows, 8, 64]`` (the rope tile, 7, reads nothing) and, as its scales, each
     row's 8 scale bytes as one 64-bit word ``[rows]`` with its bf16 rope values ``[rows, 1, 64]`` (16 bytes a
     thread)."""
-    layout: gl.constexpr = _codes_layout(FMT_MODEL1_FP8, gl.num_warps())
+    layout: gl.constexpr = _codes_layout(FMT_MODEL1_FP8, gl.num_warps(), WIDE)
     data, scales_at = _model1_row_bytes(slots, stride_block, page)
     valid = slots >= 0
     words = gl.load((kv_ptr + scales_at).to(gl.pointer_type(gl.uint64)), mask=valid, other=0)
@@ -160,7 +178,7 @@ def dequantized(codes, scales, FMT: gl.constexpr, dtype: gl.constexpr):
         s = scales.to(gl.float8e4nv, bitcast=True).to(gl.float32)
     if FMT == FMT_MODEL1_FP8:
         # Tiles lie in registers, so the rope tile's select is decided when compiling: its conversions vanish.
-        tiles_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, _codes_layout(FMT, gl.num_warps())))
+        tiles_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, codes.type.layout))
         tiles = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=tiles_l), 0), 2)
         values = (codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(s, 2)).to(dtype)
         values = gl.where(tiles == MODEL1_ROPE_TILE, rope, values)
@@ -184,18 +202,19 @@ def _store_dequantized(k_stage, codes, scales, FMT: gl.constexpr):
 
 @gluon.jit
 def _model1_scales(words):
-    """MODEL1: the e8m0 scales ``[rows, 8]`` (fp32) of the rows' scale words (byte t scales tile t)."""
-    layout: gl.constexpr = _codes_layout(FMT_MODEL1_FP8, gl.num_warps())
-    shifts = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout))).to(gl.uint64) * 8
+    """MODEL1: the e8m0 scales ``[rows, 8]`` (fp32) of the rows' scale words (byte t scales tile t), in the
+    layout of the codes whose rows the words' layout slices (``_slots_layout``)."""
+    scales_l: gl.constexpr = words.type.layout.parent
+    shifts = gl.arange(0, 8, layout=gl.SliceLayout(0, scales_l)).to(gl.uint64) * 8
     e8m0 = (gl.expand_dims(words, 1) >> gl.expand_dims(shifts, 0)) & 0xFF
     return (e8m0.to(gl.int32) << 23).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
-def _rope_pointers(kv_ptr, slots, stride_block, stride_row, page):
-    """V3.2: the addresses ``[rows, 64]`` (bf16, ``_rope_layout``: 16 bytes a thread) of a block's rope tails and
+def _rope_pointers(kv_ptr, slots, stride_block, stride_row, page, WIDE: gl.constexpr):
+    """V3.2: the addresses ``[rows, 64]`` (bf16, ``_rope_layout``) of a block's rope tails and
     which of them to read (not those of slot -1)."""
-    layout: gl.constexpr = _rope_layout(gl.num_warps())
+    layout: gl.constexpr = _rope_layout(gl.num_warps(), WIDE)
     slots = gl.convert_layout(slots, gl.SliceLayout(1, layout))
     base = gl.expand_dims(_row_bytes(slots, stride_block, stride_row, page) + ROPE_AT, 1)
     cols = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, layout)), 0)
@@ -203,12 +222,12 @@ def _rope_pointers(kv_ptr, slots, stride_block, stride_row, page):
 
 
 @gluon.jit
-def _prefetch_rows(kv_ptr, slots, stride_block, stride_row, page, FMT: gl.constexpr):
+def _prefetch_rows(kv_ptr, slots, stride_block, stride_row, page, FMT: gl.constexpr, WIDE: gl.constexpr):
     """Ask L2 for the rows of a later block (no registers held until they arrive): the loads that dequantize
     the block then wait for L2, not for memory. Slot -1 asks for nothing. MODEL1: the eighth line a row is
     that of its scales (its 576 bytes span at most 6 lines)."""
     row_bytes: gl.constexpr = _tiles(FMT)[3]
-    layout: gl.constexpr = _lines_layout(gl.num_warps())
+    layout: gl.constexpr = _lines_layout(FMT, gl.num_warps(), WIDE)
     slots = gl.expand_dims(gl.convert_layout(slots, gl.SliceLayout(1, layout)), 1)
     lines = gl.expand_dims(gl.minimum(128 * gl.arange(0, 8, layout=gl.SliceLayout(0, layout)), row_bytes - 1), 0)
     if FMT == FMT_MODEL1_FP8:
@@ -243,10 +262,10 @@ def _slots_at(first, second, n_first, k, BLOCK_N: gl.constexpr, LAYOUT: gl.const
 
 
 @gluon.jit
-def _prefetch_block(first, second, n_first, k, slots, FMT: gl.constexpr):
+def _prefetch_block(first, second, n_first, k, slots, FMT: gl.constexpr, WIDE: gl.constexpr):
     """Ask L2 for a call's ``k``-th key block (``_prefetch_rows``)."""
     kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j = _block_source(first, second, n_first, k)
-    _prefetch_rows(kv_ptr, slots, stride_block, stride_row, page, FMT)
+    _prefetch_rows(kv_ptr, slots, stride_block, stride_row, page, FMT, WIDE)
 
 
 @gluon.jit
@@ -275,14 +294,15 @@ def block_counts(first, second):
 
 @gluon.jit
 def fill_stages(k_smem, kr_smem, ready, empty, first, second, i0, W: gl.constexpr, NW: gl.constexpr,
-                FMT: gl.constexpr):
+                FMT: gl.constexpr, WIDE: gl.constexpr):
     """A dequantizing warpgroup over ``first``'s key blocks, then ``second``'s (two caches of one format), in one
     loop: of the program's blocks ``i = i0 + k`` (``k`` counting both sources' blocks; stage ``i % 2``) those
     equal to ``W`` modulo ``NW`` (``NW`` warpgroups take turns). Each block's codes and scales go into registers
     and the rows of this warpgroup's next block are asked into L2; once the stage is free the block goes into it
-    in bf16. Returns the program block number after both sources."""
+    in bf16. ``WIDE``: the codes load 16 bytes a thread (``_codes_layout``). Returns the program block number
+    after both sources."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    slots_l: gl.constexpr = _slots_layout(FMT, gl.num_warps())
+    slots_l: gl.constexpr = _slots_layout(FMT, gl.num_warps(), WIDE)
     n_first, n = block_counts(first, second)
     k0 = (W + NW - i0 % NW) % NW
     slots = _slots_at(first, second, n_first, k0, BLOCK_N, slots_l)
@@ -294,13 +314,13 @@ def fill_stages(k_smem, kr_smem, ready, empty, first, second, i0, W: gl.constexp
         else:
             stage = i % 2
         kv_ptr, stride_block, stride_row, page, n_rows, idx_row_ptr, end, j = _block_source(first, second, n_first, k)
-        codes, scales = _load_codes(kv_ptr, slots, stride_block, stride_row, page, FMT)
+        codes, scales = _load_codes(kv_ptr, slots, stride_block, stride_row, page, FMT, WIDE)
         if FMT == FMT_V32_FP8:
-            rope_at, rope_ok = _rope_pointers(kv_ptr, slots, stride_block, stride_row, page)
+            rope_at, rope_ok = _rope_pointers(kv_ptr, slots, stride_block, stride_row, page, WIDE)
             rope = gl.load(rope_at, mask=rope_ok, other=0.0)
         # This warpgroup's next block's rows into L2 (its indices came an iteration ago: nothing waits for them);
         # the indices of the one after travel meanwhile.
-        _prefetch_block(first, second, n_first, k + NW, next_slots, FMT)
+        _prefetch_block(first, second, n_first, k + NW, next_slots, FMT, WIDE)
         slots = next_slots
         next_slots = _slots_at(first, second, n_first, k + 2 * NW, BLOCK_N, slots_l)
         mbarrier.wait(empty.index(stage), ((i // 2) & 1) ^ 1)
@@ -313,14 +333,14 @@ def fill_stages(k_smem, kr_smem, ready, empty, first, second, i0, W: gl.constexp
 
 @gluon.jit
 def fill_sources(k_smem, kr_smem, ready, empty, main, extra, W: gl.constexpr, NW: gl.constexpr, FMT: gl.constexpr,
-                 X_FMT: gl.constexpr, HAS_X: gl.constexpr):
+                 X_FMT: gl.constexpr, HAS_X: gl.constexpr, WIDE: gl.constexpr):
     """``fill_stages`` over a program's main and extra caches: one loop where they share a format, else two."""
     if HAS_X and X_FMT == FMT:
-        fill_stages(k_smem, kr_smem, ready, empty, main, extra, 0, W, NW, FMT)
+        fill_stages(k_smem, kr_smem, ready, empty, main, extra, 0, W, NW, FMT, WIDE)
     else:
-        i = fill_stages(k_smem, kr_smem, ready, empty, main, _alone(main), 0, W, NW, FMT)
+        i = fill_stages(k_smem, kr_smem, ready, empty, main, _alone(main), 0, W, NW, FMT, WIDE)
         if HAS_X:
-            fill_stages(k_smem, kr_smem, ready, empty, extra, _alone(extra), i, W, NW, X_FMT)
+            fill_stages(k_smem, kr_smem, ready, empty, extra, _alone(extra), i, W, NW, X_FMT, WIDE)
 
 
 @gluon.jit
@@ -328,7 +348,7 @@ def dequant_partition(bufs, bars, main, extra, FMT: gl.constexpr, X_FMT: gl.cons
     """The 64-head kernel's dequantizing warpgroup: every key block of the program into the two stages."""
     k_smem, kr_smem, p_smem, alpha_smem, l_smem, m_smem, mrun_smem = bufs
     kv_ready, kv_empty, alpha_ready, p_ready, p_empty, done = bars
-    fill_sources(k_smem, kr_smem, kv_ready, kv_empty, main, extra, 0, 1, FMT, X_FMT, HAS_X)
+    fill_sources(k_smem, kr_smem, kv_ready, kv_empty, main, extra, 0, 1, FMT, X_FMT, HAS_X, True)
 
 
 @gluon.jit

@@ -53,6 +53,14 @@ def worker_regs(heads, fmt):
 
 
 @gluon.constexpr_function
+def wide_loads(heads):
+    """Whether the workers load 16 code bytes a thread (``dequant._codes_layout``): at most 16 heads. Beside 32
+    heads' Oᵀ their 144 registers spill with them, and 152 made V3.2 h32 25 % slower (../sparse_mla/NOTES.md,
+    run 138)."""
+    return heads <= 16
+
+
+@gluon.constexpr_function
 def launch_regs(heads, fmt):
     """Registers a thread at launch (``maxnreg``): the register file over the program's threads (168 for three
     warpgroups, 96 for five), so the default warpgroup can grow into what the workers give back."""
@@ -215,23 +223,23 @@ def _gather_fill(k_smem, kr_smem, ready, empty, src, W: gl.constexpr):
 
 @gluon.jit
 def _fill_partition(k_smem, kr_smem, ready, empty, main, extra, W: gl.constexpr, FMT: gl.constexpr,
-                    X_FMT: gl.constexpr, HAS_X: gl.constexpr):
+                    X_FMT: gl.constexpr, HAS_X: gl.constexpr, WIDE: gl.constexpr):
     if FMT == FMT_BF16:
         _gather_fill(k_smem, kr_smem, ready, empty, main, W)
     else:
-        fill_sources(k_smem, kr_smem, ready, empty, main, extra, W, 2, FMT, X_FMT, HAS_X)
+        fill_sources(k_smem, kr_smem, ready, empty, main, extra, W, 2, FMT, X_FMT, HAS_X, WIDE)
 
 
 @gluon.jit
 def fill_even(k_smem, kr_smem, ready, empty, main, extra, FMT: gl.constexpr, X_FMT: gl.constexpr,
-              HAS_X: gl.constexpr):
-    _fill_partition(k_smem, kr_smem, ready, empty, main, extra, 0, FMT, X_FMT, HAS_X)
+              HAS_X: gl.constexpr, WIDE: gl.constexpr):
+    _fill_partition(k_smem, kr_smem, ready, empty, main, extra, 0, FMT, X_FMT, HAS_X, WIDE)
 
 
 @gluon.jit
 def fill_odd(k_smem, kr_smem, ready, empty, main, extra, FMT: gl.constexpr, X_FMT: gl.constexpr,
-             HAS_X: gl.constexpr):
-    _fill_partition(k_smem, kr_smem, ready, empty, main, extra, 1, FMT, X_FMT, HAS_X)
+             HAS_X: gl.constexpr, WIDE: gl.constexpr):
+    _fill_partition(k_smem, kr_smem, ready, empty, main, extra, 1, FMT, X_FMT, HAS_X, WIDE)
 
 
 @gluon.jit

@@ -12,7 +12,7 @@ from triton.experimental.gluon import language as gl
 
 from ..common import FMT_BF16
 from .dequant import DEQUANT_REGS, OUTPUT_REGS, dequant_partition, softmax_output_partition
-from .few_heads import allocate_few_heads, attend_partition, fill_even, fill_odd, fill_warps, worker_regs
+from .few_heads import allocate_few_heads, attend_partition, fill_even, fill_odd, fill_warps, wide_loads, worker_regs
 from .partitions import (BLOCK_H, FILL_BY_WORKER, FILL_GATHER, FILL_PAGES, REGS, VECTOR_LAYOUT, allocate,
                          load_queries, output_hi, output_lo, softmax_partition)
 
@@ -108,8 +108,8 @@ def sparse_prefill_hopper_kernel(
         gl.warp_specialize([
             (attend_partition, (q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, rows, rows, scale_log2,
                                 out_args, D_QK, False, False, HAS_SINK, True)),
-            (fill_even, (k_smem, kr_smem, ready, empty, rows, rows, 0, 0, False)),
-            (fill_odd, (k_smem, kr_smem, ready, empty, rows, rows, 0, 0, False)),
+            (fill_even, (k_smem, kr_smem, ready, empty, rows, rows, 0, 0, False, False)),
+            (fill_odd, (k_smem, kr_smem, ready, empty, rows, rows, 0, 0, False, False)),
         ], [4, 4], [worker_regs(HEADS, FMT_BF16), worker_regs(HEADS, FMT_BF16)])
 
 
@@ -187,6 +187,6 @@ def sparse_decode_hopper_kernel(
         gl.warp_specialize([
             (attend_partition, (q_smem, qr_smem, k_smem, kr_smem, p_smem, ready, empty, main, extra, scale_log2,
                                 out_args, D_QK, HAS_X, SPLIT, HAS_SINK, False)),
-            (fill_even, (k_smem, kr_smem, ready, empty, main, extra, FMT, X_FMT, HAS_X)),
-            (fill_odd, (k_smem, kr_smem, ready, empty, main, extra, FMT, X_FMT, HAS_X)),
+            (fill_even, (k_smem, kr_smem, ready, empty, main, extra, FMT, X_FMT, HAS_X, wide_loads(HEADS))),
+            (fill_odd, (k_smem, kr_smem, ready, empty, main, extra, FMT, X_FMT, HAS_X, wide_loads(HEADS))),
         ], [fill_warps(HEADS, FMT), fill_warps(HEADS, FMT)], [worker_regs(HEADS, FMT), worker_regs(HEADS, FMT)])

@@ -1,6 +1,6 @@
 """Shared-memory bank conflicts of the dequantizing workers' stores into a key stage, offline (no GPU):
 
-    python -m anymla.triton_kernels.hopper.store_conflicts   # one JSON line: {"FORMAT/WARPS": {store: count}}
+    python -m anymla.triton_kernels.hopper.store_conflicts   # one JSON line: {"FORMAT/WARPS/LOADS": {store: count}}
 
 Compiles a probe for sm_90 that builds a block's codes and scales in the layouts ``dequant`` loads them in,
 converts them with ``dequant.dequantized`` and stores the result (V3.2: its rope values too) into stages laid
@@ -28,7 +28,10 @@ from . import dequant
 from .launch import _shared_layout
 
 FORMATS = {"V32_FP8": FMT_V32_FP8, "V41_FP8": FMT_V41_FP8, "V41_FP4": FMT_V41_FP4, "MODEL1_FP8": FMT_MODEL1_FP8}
-WORKER_WARPS = (4, 8)  # ``few_heads.fill_warps``; the 64-head kernel's dequantizing warpgroup is 4 warps
+# (warps, 16-byte loads) of the workers the kernels have (``few_heads.fill_warps``, ``few_heads.wide_loads``): the
+# 64-head kernel's dequantizing warpgroup and the few-head 4-warp workers at <= 16 heads, those at 32 heads, and
+# V4.1's 8-warp workers at <= 16 heads
+WORKERS = ((4, True), (4, False), (8, True))
 ROWS = gl.constexpr(64)  # the Hopper kernels' key block
 
 
@@ -41,11 +44,11 @@ def _conflicting(warps):
 
 @gluon.jit
 def _probe(FMT: gl.constexpr, TILES: gl.constexpr, TILE_BYTES: gl.constexpr, STAGE: gl.constexpr,
-           ROPE_STAGE: gl.constexpr, CONFLICT: gl.constexpr):
-    layout: gl.constexpr = dequant._codes_layout(FMT, gl.num_warps())
+           ROPE_STAGE: gl.constexpr, CONFLICT: gl.constexpr, WIDE: gl.constexpr):
+    layout: gl.constexpr = dequant._codes_layout(FMT, gl.num_warps(), WIDE)
     codes = gl.full([ROWS, TILES, TILE_BYTES], 0, gl.uint8, layout)
     if FMT == FMT_MODEL1_FP8:
-        scales = (gl.full([ROWS], 0, gl.uint64, dequant._slots_layout(FMT, gl.num_warps())),
+        scales = (gl.full([ROWS], 0, gl.uint64, dequant._slots_layout(FMT, gl.num_warps(), WIDE)),
                   gl.full([ROWS, 1, TILE_BYTES], 0, gl.bfloat16, layout))
     elif FMT == FMT_V32_FP8:
         scales = gl.full([ROWS, TILES], 0, gl.float32, gl.SliceLayout(2, layout))
@@ -58,20 +61,21 @@ def _probe(FMT: gl.constexpr, TILES: gl.constexpr, TILE_BYTES: gl.constexpr, STA
     gl.static_print("latent bank conflicts:", gl.bank_conflicts(values.type, stage.type))
     stage.store(values)
     if FMT == FMT_V32_FP8:
-        rope = gl.full([ROWS, 64], 0, gl.bfloat16, dequant._rope_layout(gl.num_warps()))
+        rope = gl.full([ROWS, 64], 0, gl.bfloat16, dequant._rope_layout(gl.num_warps(), WIDE))
         rope_stage = gl.allocate_shared_memory(gl.bfloat16, [ROWS, 64], ROPE_STAGE)
         gl.static_print("rope bank conflicts:", gl.bank_conflicts(rope.type, rope_stage.type))
         rope_stage.store(rope)
 
 
-def conflicts(fmt: str, warps: int, conflicting: bool = False) -> dict:
-    """``{store: bank conflicts}`` of the probe for format ``fmt`` (a ``FORMATS`` key) on ``warps`` warps,
+def conflicts(fmt: str, warps: int, wide: bool, conflicting: bool = False) -> dict:
+    """``{store: bank conflicts}`` of the probe for format ``fmt`` (a ``FORMATS`` key) on ``warps`` warps with
+    ``wide`` (16-byte) code loads or not,
     compiled in a Triton cache of its own (a cached kernel is not traced again, so it would print nothing)."""
     code = FORMATS[fmt].value
     tiles, tile_bytes = dequant._tiles(code)[:2]
     consts = dict(FMT=code, TILES=tiles, TILE_BYTES=tile_bytes,
                   STAGE=_shared_layout([ROWS.value, 512], torch.bfloat16),
-                  ROPE_STAGE=_shared_layout([ROWS.value, 64], torch.bfloat16), CONFLICT=conflicting)
+                  ROPE_STAGE=_shared_layout([ROWS.value, 64], torch.bfloat16), CONFLICT=conflicting, WIDE=wide)
     printed = io.StringIO()
     with tempfile.TemporaryDirectory() as cache, triton.knobs.cache.scope(), redirect_stdout(printed):
         triton.knobs.cache.dir = cache
@@ -82,9 +86,13 @@ def conflicts(fmt: str, warps: int, conflicting: bool = False) -> dict:
     return {store.strip(): int(n) for store, n in counts}
 
 
+def key(fmt: str, warps: int, wide: bool) -> str:
+    return f"{fmt}/{warps}/{'wide' if wide else 'narrow'}"
+
+
 def main() -> None:
-    report = {f"{fmt}/{warps}": conflicts(fmt, warps) for fmt in FORMATS for warps in WORKER_WARPS}
-    report["control"] = conflicts("V32_FP8", 4, conflicting=True)
+    report = {key(fmt, warps, wide): conflicts(fmt, warps, wide) for fmt in FORMATS for warps, wide in WORKERS}
+    report["control"] = conflicts("V32_FP8", 4, False, conflicting=True)
     print(json.dumps(report))
 
 
