@@ -295,7 +295,7 @@ def hopper_reports() -> list:
                    K_LAYOUT=_shared_layout([tile.block_n, 512], rows.dtype),
                    R_LAYOUT=_shared_layout([tile.block_n, 64], rows.dtype)))
              for d, heads in ((576, 16), (512, 32), (576, 8), (512, 8))]
-    # Spills allowed: a few bytes, except in the V4.1 + FP4 decoding kernel, whose FP4 loop spills ~0.6-0.8 KB
+    # Spills allowed: a few bytes, except in the V4.1 + FP4 decoding kernel, whose FP4 loop spills ~0.4-0.7 KB
     # and still beat the portable kernel on the H200 (sparse_mla/NOTES.md run 27). More is a regression. (A second
     # loop for a MODEL1 extra cache spilled ~200 B and cost CONFIG1 18 %: run 120; both caches now share one loop.)
     # The few-head kernel's FP4 workers hold a whole block's fp32 values at once: 1.0-1.5 KB spilled by 4-warp
