@@ -139,8 +139,8 @@ def _load_codes(kv_ptr, slots, stride_block, stride_row, page, FMT: gl.constexpr
 @gluon.jit
 def _load_model1(kv_ptr, slots, stride_block, page, WIDE: gl.constexpr):
     """MODEL1: a block's codes ``[rows, 8, 64]`` (the rope tile, 7, reads nothing) and, as its scales, each
-    row's 8 scale bytes as one 64-bit word ``[rows]`` with its bf16 rope values ``[rows, 1, 64]`` (16 bytes a
-    thread)."""
+    row's 8 scale bytes as one 64-bit word ``[rows]`` with its bf16 rope values ``[rows, 1, 64]`` (in the codes'
+    layout)."""
     layout: gl.constexpr = _codes_layout(FMT_MODEL1_FP8, gl.num_warps(), WIDE)
     data, scales_at = _model1_row_bytes(slots, stride_block, page)
     valid = slots >= 0
@@ -348,6 +348,7 @@ def dequant_partition(bufs, bars, main, extra, FMT: gl.constexpr, X_FMT: gl.cons
     """The 64-head kernel's dequantizing warpgroup: every key block of the program into the two stages."""
     k_smem, kr_smem, p_smem, alpha_smem, l_smem, m_smem, mrun_smem = bufs
     kv_ready, kv_empty, alpha_ready, p_ready, p_empty, done = bars
+    # 16-byte code loads: within the spill budgets here, and V4.1 + FP4 15 % faster with them (run 138)
     fill_sources(k_smem, kr_smem, kv_ready, kv_empty, main, extra, 0, 1, FMT, X_FMT, HAS_X, True)
 
 
