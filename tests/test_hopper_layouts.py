@@ -45,5 +45,9 @@ def test_dequantized_block_stores_without_bank_conflicts(report, fmt, warps, loa
     assert ("rope" in counts) == (fmt == "V32_FP8"), counts
 
 
+def test_the_probe_covers_exactly_these_workers(report):
+    assert set(report) == {f"{f}/{w}/{loads}" for f in FORMATS for w, loads in WORKERS} | {"control"}, sorted(report)
+
+
 def test_the_count_sees_a_conflicting_store(report):
     assert report["control"]["latent"] > 0, report["control"]

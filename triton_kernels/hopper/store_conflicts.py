@@ -68,9 +68,9 @@ def _probe(FMT: gl.constexpr, TILES: gl.constexpr, TILE_BYTES: gl.constexpr, STA
 
 
 def conflicts(fmt: str, warps: int, wide: bool, conflicting: bool = False) -> dict:
-    """``{store: bank conflicts}`` of the probe for format ``fmt`` (a ``FORMATS`` key) on ``warps`` warps with
-    ``wide`` (16-byte) code loads or not,
-    compiled in a Triton cache of its own (a cached kernel is not traced again, so it would print nothing)."""
+    """``{store: bank conflicts}`` of the probe for format ``fmt`` (a ``FORMATS`` key) on ``warps`` warps, with
+    ``wide`` (16-byte) code loads or not, compiled in a Triton cache of its own (a cached kernel is not traced
+    again, so it would print nothing)."""
     code = FORMATS[fmt].value
     tiles, tile_bytes = dequant._tiles(code)[:2]
     consts = dict(FMT=code, TILES=tiles, TILE_BYTES=tile_bytes,
