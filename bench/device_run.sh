@@ -17,6 +17,10 @@
 #             --portable, --mma-sync and --mma-sync with ANYMLA_MMA_V2=0, each in a fresh Triton cache, then
 #             python -m anymla.bench.standins over the four (standins.md)
 #   layer     python -m anymla.bench.layer ($LAYER_ARGS, e.g. --writers-only --writer-tiles 4x1,8x2)
+#   ab        python3 bench/ab.py run over the versions prepared in $AB_DIR (default .ab_var, carried along) on
+#             $AB_CASES ($AB_ARGS passed on, e.g. --stand-in portable; $AB_TIMEOUT, default 300 s)
+# REQUIRE_GPU: a part of the GPU's name (e.g. H200); on any other GPU nothing runs, so a call that must time on
+# one kind of card costs only its start on another.
 #   ncu       Nsight Compute on one kernel launch of each of $NCU_CASES (cases of $NCU_SUITE, default tp; kernels
 #             matching $NCU_KERNEL; $NCU_ARGS passed on to bench.profile_case, e.g. --portable): the report, its
 #             details page, its SASS source page as CSV (stall samples an instruction) and that page summed per
@@ -31,7 +35,9 @@ mkdir -p "$site/anymla"
 cp -r dispatch/. "$site/anymla/"
 for pkg in triton_kernels ascendc_kernels bench; do ln -s "$PWD/$pkg" "$site/anymla/$pkg"; done
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+gpu=$(python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())")
+echo "$gpu" | tee "$OUT/gpu.txt"
+if [[ -n ${REQUIRE_GPU:-} && $gpu != *"$REQUIRE_GPU"* ]]; then echo "not a $REQUIRE_GPU: nothing run"; exit 0; fi
 fm=$PWD/.peers/FlashMLA
 flashmla_wait() { [[ -n ${FLASHMLA_PID:-} ]] && { wait "$FLASHMLA_PID"; echo "flashmla build: $(tail -1 "$OUT/flashmla.log")"; FLASHMLA_PID=; }; }
 IFS=, read -ra parts <<< "${1:-tests}"
@@ -93,6 +99,10 @@ for part in "${parts[@]}"; do
     layer)
       # shellcheck disable=SC2086
       python3 -m anymla.bench.layer --out "$OUT/layer" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/layer.log" | tail -40 ;;
+    ab)
+      # shellcheck disable=SC2086
+      timeout "${AB_TIMEOUT:-300}" python3 bench/ab.py run "${AB_DIR:-.ab_var}" ${AB_CASES:?AB_CASES: the cases to time} \
+        ${AB_ARGS:-} --csv "$OUT/ab.csv" > "$OUT/ab.log" 2>&1; tail -30 "$OUT/ab.log" ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done
