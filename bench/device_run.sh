@@ -19,12 +19,12 @@
 #   layer     python -m anymla.bench.layer ($LAYER_ARGS, e.g. --writers-only --writer-tiles 4x1,8x2)
 #   ab        python3 bench/ab.py run over the versions prepared in $AB_DIR (default .ab_var, carried along) on
 #             $AB_CASES ($AB_ARGS passed on, e.g. --stand-in portable; $AB_TIMEOUT, default 300 s)
-# REQUIRE_GPU: a part of the GPU's name (e.g. H200); on any other GPU nothing runs, so a call that must time on
-# one kind of card costs only its start on another.
 #   ncu       Nsight Compute on one kernel launch of each of $NCU_CASES (cases of $NCU_SUITE, default tp; kernels
 #             matching $NCU_KERNEL; $NCU_ARGS passed on to bench.profile_case, e.g. --portable): the report, its
 #             details page, its SASS source page as CSV (stall samples an instruction) and that page summed per
 #             warp-specialized partition with its mbarrier retry counts (bench.stall_regions)
+# REQUIRE_GPU: a part of the GPU's name (e.g. H200); on any other GPU nothing runs, so a call that must time on
+# one kind of card costs only its start on another.
 # Makes `anymla` importable without pip (the folders map onto the package as in pyproject.toml) and leaves logs
 # and CSVs in $OUT (default ./device_out).
 set -uo pipefail
