@@ -121,10 +121,13 @@ def run(trees: str, cases: list[str], stand_in: str = "", device: str = "cuda", 
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "_time", refs, device, backend, str(reps),
                                *cases], env={**env, "PYTHONPATH": site}, capture_output=True, text=True)
         got = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-        rows += [dict(label=shown, **r) for r in got]
+        done = [dict(label=shown, **r) for r in got]
         if proc.returncode:
             error = (proc.stderr.strip().splitlines() or ["exit status %d" % proc.returncode])[-1][:200]
-            rows += [dict(label=shown, case=c, error=error) for c in cases[len(got):]]
+            done += [dict(label=shown, case=c, error=error) for c in cases[len(got):]]
+        for row in done:  # as each version ends: a run cut short by a time limit keeps what it finished
+            print(json.dumps(row), flush=True)
+        rows += done
         shutil.rmtree(site, ignore_errors=True)
     shutil.rmtree(refs, ignore_errors=True)
     return rows
