@@ -95,7 +95,7 @@ PORTABLE_SWEEP = {
                                   _P(16, 32, 4, 6)],
     "ddecode-b128-sq2-h128-sk8192": [Config(), _P(64, 32, 8, 3), _P(32, 32, 4, 6, True)],
     "ddecode-b128-h16-sk8192": [Config(), _P(16, 32, 4, 8, True), _P(16, 64, 4, 4, True)],
-    # within ~5 % of issue 13's 1.4x of the Hopper kernels in run 137: split counts (the shipped one fills each
+    # 5-6 % short of issue 13's 1.4x of the Hopper kernels in run 137: split counts (the shipped one fills each
     # SM once) and the stage count of the quantized loop
     "ddecode-b1-h128-sk32768": [Config()] + [Config(splits=sp) for sp in (32, 48, 66, 96)] + [_P(64, 32, 8, 3)],
     "sdecode-v32-b64-sq1-h64": [Config()] + [Config(splits=sp) for sp in (1, 3, 4)] +
