@@ -8,7 +8,8 @@
 #   tests     pytest on the GPU ($TESTS: test paths and options, default the whole suite with CPU-sized grids, on
 #             $TESTS_WORKERS processes, default 8;
 #             ANYMLA_HOPPER_KERNELS=0 runs it on the portable kernels, with DISABLE_MMA_V3=1 on the mma.sync path;
-#             $TESTS_K: a -k expression)
+#             $TESTS_K: a -k expression; $TESTS_VERSION: a version bench.ab prepared in $AB_DIR, tested instead of
+#             the working tree's package, with the working tree's tests)
 #   overhead  python -m anymla.bench.overhead, in a fresh Triton cache (its cold-start part counts compiles)
 #   sweep     the harness's tile sweep ($SWEEP_SUITE, default tp; $SWEEP_CASES: case names, default all;
 #             $SWEEP_ARGS: more options, e.g. --portable, with DISABLE_MMA_V3=1 for the mma.sync stand-in)
@@ -30,10 +31,16 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}
 mkdir -p "$OUT"
-site=$(mktemp -d)
-mkdir -p "$site/anymla"
-cp -r dispatch/. "$site/anymla/"
-for pkg in triton_kernels ascendc_kernels bench; do ln -s "$PWD/$pkg" "$site/anymla/$pkg"; done
+# A folder holding `anymla` made of the package folders under $1 (the working tree, or a version bench.ab prepared)
+package_site() {
+  local site
+  site=$(mktemp -d)
+  mkdir -p "$site/anymla"
+  cp -r "$1/dispatch/." "$site/anymla/"
+  for pkg in triton_kernels ascendc_kernels bench; do ln -s "$(realpath "$1/$pkg")" "$site/anymla/$pkg"; done
+  echo "$site"
+}
+site=$(package_site "$PWD")
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 gpu=$(python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())")
 echo "$gpu" | tee "$OUT/gpu.txt"
@@ -52,9 +59,11 @@ for part in "${parts[@]}"; do
       python3 -m pip install -q --no-index --find-links .wheels transformers 2>&1 | tail -3
       python3 -c "import transformers; print('transformers', transformers.__version__)" ;;
     tests)
+      tests_path=$PYTHONPATH
+      [[ -n ${TESTS_VERSION:-} ]] && tests_path="$(package_site "${AB_DIR:-.ab_var}/$TESTS_VERSION")${PYTHONPATH#"$site"}"
       # shellcheck disable=SC2086
       # SIGINT at the time limit: pytest then still lists the failures so far (-rf)
-      ANYMLA_TEST_GRID=${ANYMLA_TEST_GRID:-small} timeout -s INT "${TESTS_TIMEOUT:-1000}" python3 -m pytest -q -rfs --tb=line -n "${TESTS_WORKERS:-8}" -p no:cacheprovider --import-mode=importlib \
+      PYTHONPATH=$tests_path ANYMLA_TEST_GRID=${ANYMLA_TEST_GRID:-small} timeout -s INT "${TESTS_TIMEOUT:-1000}" python3 -m pytest -q -rfs --tb=line -n "${TESTS_WORKERS:-8}" -p no:cacheprovider --import-mode=importlib \
         ${TESTS:-tests} ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/tests.log" | grep -E "^FAILED|^ERROR|passed|failed" | tail -60 ;;
     overhead)
       flashmla_wait
